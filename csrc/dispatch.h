@@ -1,0 +1,42 @@
+// Run-time dispatch: (arch, dtype, head dim, causal) -> launcher.
+//
+// The table itself (kernel_table.cpp) is written by generate_kernels.py together with the
+// instantiations, so a pruned build (FLASH_ATTN4_HDIMS=128 ...) prunes the table at the same time and
+// nobody maintains a hand-written dtype x hdim ladder.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "params.h"
+
+namespace flash4 {
+
+using FwdLauncher = void (*)(const FwdParams&, cudaStream_t);
+
+struct FwdKernelEntry {
+  int arch;  // 90 for the sm_90a kernels
+  DType dtype;
+  int head_dim;
+  bool causal;
+  FwdLauncher launch;
+  const char* name;
+};
+
+// Defined in the generated kernel_table.cpp.
+extern const FwdKernelEntry kFwdKernels[];
+extern const int kNumFwdKernels;
+
+// Returns nullptr when no instantiation matches (the binding turns that into a clear error).
+inline const FwdKernelEntry* find_fwd_kernel(int arch, DType dtype, int head_dim, bool causal) {
+  for (int i = 0; i < kNumFwdKernels; ++i) {
+    const FwdKernelEntry& e = kFwdKernels[i];
+    if (e.arch == arch && e.dtype == dtype && e.head_dim == head_dim && e.causal == causal) return &e;
+  }
+  return nullptr;
+}
+
+// Declared here, defined (and explicitly instantiated, one combination per .cu) in launch/.
+template <int Arch, DType kDType, int kHeadDim, bool kCausal>
+void run_fwd(const FwdParams& params, cudaStream_t stream);
+
+}  // namespace flash4

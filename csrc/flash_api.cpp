@@ -1,0 +1,120 @@
+// The only file that includes torch: argument checks, FwdParams from tensors, dispatch, Python binding.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+
+#include <string>
+#include <vector>
+
+#include "dispatch.h"
+#include "params.h"
+
+namespace {
+
+using flash4::DType;
+
+// TMA descriptors need 16-byte aligned base addresses and strides (8 elements of a 16-bit type) and a
+// contiguous innermost dimension. The Python side copies inputs that break this; these checks make a
+// direct call fail loudly instead of faulting.
+void check_tma_layout(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.stride(-1) == 1, "flash_attn4: ", name, " must have a contiguous last dimension (stride 1), got ",
+              t.strides());
+  for (int d = 0; d < t.dim() - 1; ++d) {
+    TORCH_CHECK(t.stride(d) % 8 == 0, "flash_attn4: every stride of ", name,
+                " except the last must be a multiple of 8 elements (16 bytes) for TMA; got ", t.strides(),
+                ". Call .contiguous() first.");
+  }
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "flash_attn4: ", name,
+              " must start at a 16-byte aligned address (got a view with an odd offset); call .contiguous().");
+}
+
+int device_arch(const at::Tensor& t) {
+  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(t.get_device());
+  return prop->major * 10 + prop->minor;
+}
+
+// Writes softmax(q k^T * scale) v into `out` (b, sq, hq, d) and the natural-log LSE into `lse`
+// (b, hq, sq, float32).
+void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
+         double softmax_scale, bool causal) {
+  TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda() && out.is_cuda() && lse.is_cuda(),
+              "flash_attn4: all tensors must be on a CUDA device");
+  TORCH_CHECK(k.device() == q.device() && v.device() == q.device() && out.device() == q.device() &&
+                  lse.device() == q.device(),
+              "flash_attn4: q, k, v, out and lse must be on the same device");
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "flash_attn4: q must be bfloat16 or float16, got ",
+              dtype);
+  TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype && out.scalar_type() == dtype,
+              "flash_attn4: q, k, v and out must share one dtype");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat, "flash_attn4: lse must be float32");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "flash_attn4: q, k, v must be 4-D (batch, seqlen, heads, head_dim)");
+
+  const int64_t batch = q.size(0), seqlen_q = q.size(1), nheads_q = q.size(2), head_dim = q.size(3);
+  const int64_t seqlen_k = k.size(1), nheads_kv = k.size(2);
+  TORCH_CHECK(k.size(0) == batch && k.size(3) == head_dim, "flash_attn4: k must be (batch, seqlen_k, nheads_kv, ",
+              head_dim, "), got ", k.sizes());
+  TORCH_CHECK(v.sizes() == k.sizes(), "flash_attn4: v must have k's shape ", k.sizes(), ", got ", v.sizes());
+  TORCH_CHECK(nheads_kv > 0 && nheads_q % nheads_kv == 0, "flash_attn4: nheads_q (", nheads_q,
+              ") must be a multiple of nheads_kv (", nheads_kv, ")");
+  TORCH_CHECK(out.sizes() == q.sizes(), "flash_attn4: out must have q's shape ", q.sizes());
+  TORCH_CHECK(lse.dim() == 3 && lse.size(0) == batch && lse.size(1) == nheads_q && lse.size(2) == seqlen_q &&
+                  lse.is_contiguous(),
+              "flash_attn4: lse must be a contiguous float32 tensor of shape (batch, nheads_q, seqlen_q)");
+  TORCH_CHECK(seqlen_q >= 1 && seqlen_k >= 1 && batch >= 1, "flash_attn4: empty inputs are handled in Python");
+  // Grid limits (y = heads, z = batch) and 32-bit TMA coordinates.
+  TORCH_CHECK(batch <= 65535 && nheads_q <= 65535, "flash_attn4: batch and nheads_q must be <= 65535");
+  TORCH_CHECK(seqlen_q < (int64_t(1) << 31) && seqlen_k < (int64_t(1) << 31), "flash_attn4: seqlen must be < 2^31");
+  check_tma_layout(q, "q");
+  check_tma_layout(k, "k");
+  check_tma_layout(v, "v");
+  check_tma_layout(out, "out");
+
+  const DType kdtype = dtype == at::kBFloat16 ? DType::kBF16 : DType::kFP16;
+  const int arch = device_arch(q);
+  // The sm_90a kernels run on compute capability 9.0 only (arch-specific target, not forward compatible).
+  const int kernel_arch = arch == 90 ? 90 : 0;
+  const flash4::FwdKernelEntry* entry = flash4::find_fwd_kernel(kernel_arch, kdtype, int(head_dim), causal);
+  TORCH_CHECK(entry != nullptr, "flash_attn4: no compiled forward kernel for sm_", arch, ", ",
+              (kdtype == DType::kBF16 ? "bf16" : "fp16"), ", head_dim ", head_dim, ", causal=", causal,
+              ". Rebuild with that head dim/dtype in FLASH_ATTN4_HDIMS / FLASH_ATTN4_DTYPES, or use a Hopper GPU.");
+
+  flash4::FwdParams p;
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.o = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  p.q_batch_stride = q.stride(0), p.q_row_stride = q.stride(1), p.q_head_stride = q.stride(2);
+  p.k_batch_stride = k.stride(0), p.k_row_stride = k.stride(1), p.k_head_stride = k.stride(2);
+  p.v_batch_stride = v.stride(0), p.v_row_stride = v.stride(1), p.v_head_stride = v.stride(2);
+  p.o_batch_stride = out.stride(0), p.o_row_stride = out.stride(1), p.o_head_stride = out.stride(2);
+  p.batch = int(batch);
+  p.seqlen_q = int(seqlen_q);
+  p.seqlen_k = int(seqlen_k);
+  p.nheads_q = int(nheads_q);
+  p.nheads_kv = int(nheads_kv);
+  p.head_dim = int(head_dim);
+  p.softmax_scale = float(softmax_scale);
+  p.softmax_scale_log2 = float(softmax_scale * M_LOG2E);
+  p.causal = causal;
+  p.dtype = kdtype;
+
+  const c10::cuda::CUDAGuard guard(q.device());
+  entry->launch(p, at::cuda::getCurrentCUDAStream().stream());
+}
+
+std::vector<std::string> compiled_kernels() {
+  std::vector<std::string> names;
+  for (int i = 0; i < flash4::kNumFwdKernels; ++i) names.emplace_back(flash4::kFwdKernels[i].name);
+  return names;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "flash_attn4 CUDA kernels (use flash_attn4.attn, not this module directly)";
+  m.def("fwd", &fwd, "Attention forward into preallocated out/lse", py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("out"), py::arg("lse"), py::arg("softmax_scale"), py::arg("causal"));
+  m.def("compiled_kernels", &compiled_kernels, "Names of the kernel instantiations in this build");
+}

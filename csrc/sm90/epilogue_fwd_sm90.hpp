@@ -1,0 +1,89 @@
+// sm90 forward epilogue: O (fp32 registers) -> 16-bit -> shared memory (stmatrix) -> TMA store, and the
+// per-row LSE straight from registers.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "../params.h"
+#include "utils_sm90.hpp"
+
+namespace flash4 {
+
+using namespace cute;
+
+template <class Traits>
+struct EpilogueFwdSm90 {
+  using Element = typename Traits::Element;
+  static constexpr int kBlockM = Traits::kBlockM;
+  static constexpr int kHeadDim = Traits::kHeadDim;
+  using TileO = Shape<Int<kBlockM>, Int<kHeadDim>>;
+  using ShapeT = Shape<int32_t, int32_t, int32_t, int32_t>;  // (seqlen_q, head_dim, heads, batch)
+  using StrideT = Stride<int64_t, _1, int64_t, int64_t>;
+  using TmaO = decltype(make_tma_copy(SM90_TMA_STORE{},
+                                      make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), ShapeT{}, StrideT{}),
+                                      typename Traits::SmemLayoutO{}, TileO{}, _1{}));
+
+  struct Params {
+    TmaO tma_o;
+    ShapeT shape_o;
+    float* lse;
+    int seqlen_q;
+    int nheads_q;
+  };
+
+  static Params to_params(FwdParams const& p) {
+    ShapeT shape_o = make_shape(p.seqlen_q, p.head_dim, p.nheads_q, p.batch);
+    Tensor mO = make_tensor(make_gmem_ptr(static_cast<Element*>(p.o)), shape_o,
+                            make_stride(p.o_row_stride, _1{}, p.o_head_stride, p.o_batch_stride));
+    return {make_tma_copy(SM90_TMA_STORE{}, mO, typename Traits::SmemLayoutO{}, TileO{}, _1{}), shape_o, p.lse,
+            p.seqlen_q, p.nheads_q};
+  }
+
+  CUTE_DEVICE static void prefetch_descriptors(Params const& params) {
+    cute::prefetch_tma_descriptor(params.tma_o.get_tma_descriptor());
+  }
+
+  // Called by all consumer threads (thread_idx 0..255) with their normalized O fragment and row LSEs.
+  template <class SharedStorage, class FragO, class LSE>
+  CUTE_DEVICE void store(Params const& params, SharedStorage& smem, FragO const& tOrO, LSE const& lse,
+                         int thread_idx, int m_block, int bidh, int bidb) const {
+    typename Traits::TiledMmaPV tiled_mma_pv;
+    // O reuses Q's buffer; each warpgroup overwrites only its own 64 rows of Q, which its own last
+    // Q K^T (already complete) was the final reader of.
+    Tensor sO = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutO{});
+
+    Tensor tOrO_out = make_tensor<Element>(tOrO.layout());
+    convert_fragment(tOrO, tOrO_out);
+    auto smem_tiled_copy_O = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, tiled_mma_pv);
+    auto smem_thr_copy_O = smem_tiled_copy_O.get_thread_slice(thread_idx);
+    copy(smem_tiled_copy_O, smem_thr_copy_O.retile_S(tOrO_out), smem_thr_copy_O.partition_D(sO));
+
+    // LSE: the four lanes that share a row hold the same value; the one holding column 0 writes it.
+    auto thr_mma_pv = tiled_mma_pv.get_thread_slice(thread_idx);
+    Tensor tOcO = thr_mma_pv.partition_C(make_identity_tensor(TileO{}));
+    Tensor tOcO_rc = make_tensor(tOcO.data(), acc_rowcol_layout(tOcO.layout()));
+    if (get<1>(tOcO_rc(_0{}, _0{})) == 0) {
+      float* lse_row = params.lse + (int64_t(bidb) * params.nheads_q + bidh) * params.seqlen_q;
+#pragma unroll
+      for (int r = 0; r < size<0>(tOcO_rc); ++r) {
+        const int row = m_block * kBlockM + get<0>(tOcO_rc(r, _0{}));
+        if (row < params.seqlen_q) lse_row[row] = lse[r];
+      }
+    }
+
+    // Generic-proxy writes (stmatrix) must be made visible to the async proxy (TMA) before the store.
+    cutlass::arch::fence_view_async_shared();
+    named_barrier_sync(Traits::kNumMmaThreads, int(FwdBarrier::kEpilogue));
+    if (thread_idx == 0) {
+      Tensor mO = params.tma_o.get_tma_tensor(params.shape_o)(_, _, bidh, bidb);
+      Tensor gO = local_tile(mO, TileO{}, make_coord(m_block, _0{}));
+      auto [tOgO, tOsO] = tma_partition(params.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
+      copy(params.tma_o, tOsO, tOgO);  // rows past seqlen_q are clipped by the TMA unit
+      tma_store_arrive();
+      tma_store_wait<0>();  // shared memory must stay valid until the TMA engine has read it
+    }
+  }
+};
+
+}  // namespace flash4

@@ -1,0 +1,89 @@
+// Compile-time configuration of the sm90 forward kernel: tile shapes, shared-memory layouts, WGMMA
+// tiled MMAs and the shared-storage struct. Everything here is derived from (Element, head dim, tile).
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+namespace flash4 {
+
+using namespace cute;
+
+// Largest GMMA swizzle atom whose contiguous extent divides `extent` (elements, 16-bit types).
+template <class Element, int kExtent, GMMA::Major kMajor>
+constexpr auto gmma_smem_atom() {
+  if constexpr (kMajor == GMMA::Major::K) {
+    if constexpr (kExtent % 64 == 0) return GMMA::Layout_K_SW128_Atom<Element>{};
+    else if constexpr (kExtent % 32 == 0) return GMMA::Layout_K_SW64_Atom<Element>{};
+    else return GMMA::Layout_K_SW32_Atom<Element>{};
+  } else {
+    if constexpr (kExtent % 64 == 0) return GMMA::Layout_MN_SW128_Atom<Element>{};
+    else if constexpr (kExtent % 32 == 0) return GMMA::Layout_MN_SW64_Atom<Element>{};
+    else return GMMA::Layout_MN_SW32_Atom<Element>{};
+  }
+}
+
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
+struct FwdTraitsSm90 {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static_assert(kBlockM % 64 == 0 && kHeadDim % 16 == 0 && kBlockN % 16 == 0);
+
+  // One producer warpgroup (one thread of it issues every TMA) + one consumer warpgroup per 64 rows.
+  static constexpr int kNumMmaWarpGroups = kBlockM / 64;
+  static_assert(kNumMmaWarpGroups == 2, "ping-pong scheduling assumes two consumer warpgroups");
+  static constexpr int kNumMmaThreads = kNumMmaWarpGroups * 128;
+  static constexpr int kNumThreads = kNumMmaThreads + 128;
+  // setmaxnreg budget: 128 * 24 + 256 * 240 = 64512 <= 65536 registers per SM.
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+
+  using TileShapeQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;  // S = Q K^T: (M, N, K=D)
+  using TileShapePV = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;  // O = P V:   (M, N=D, K=N)
+  using AtomLayoutMNK = Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>;
+
+  // S from shared Q and K (both K-major); O from P in registers and V^T in shared memory (MN-major:
+  // V rows are contiguous along head_dim, so V^T needs no transpose, only an MN-major descriptor).
+  using TiledMmaQK = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
+      AtomLayoutMNK{}));
+  using TiledMmaPV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockN>>, GMMA::Major::K,
+                           GMMA::Major::MN>(),
+      AtomLayoutMNK{}));
+
+  using SmemLayoutQ =
+      decltype(tile_to_shape(gmma_smem_atom<Element, kHeadDim, GMMA::Major::K>(), Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  // O aliases Q's buffer with the same layout: a consumer warpgroup writes O rows only over its own Q
+  // rows, after its own last Q K^T has completed, so the two warpgroups never race on these bytes.
+  using SmemLayoutO = SmemLayoutQ;
+  using SmemLayoutK = decltype(tile_to_shape(gmma_smem_atom<Element, kHeadDim, GMMA::Major::K>(),
+                                             Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutVt = decltype(tile_to_shape(gmma_smem_atom<Element, kHeadDim, GMMA::Major::MN>(),
+                                              Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}));
+
+  using PipelineK = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineV = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineState = typename PipelineK::PipelineState;
+
+  static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kTmaBytesKV = kBlockN * kHeadDim * sizeof(Element);
+
+  struct SharedStorage {
+    // 1024-byte alignment: the period of the 128-byte swizzle pattern, required by TMA and WGMMA.
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutVt>> v;
+    alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_q;
+    typename PipelineK::SharedStorage pipeline_k;
+    typename PipelineV::SharedStorage pipeline_v;
+  };
+  static constexpr int kSmemBytes = sizeof(SharedStorage);
+  static_assert(kSmemBytes <= 227 * 1024, "tile does not fit in shared memory");
+};
+
+}  // namespace flash4

@@ -1,0 +1,236 @@
+// sm90 forward mainloop: the producer side (TMA loads of Q, K, V into mbarrier pipelines) and the
+// consumer side (S = Q K^T and O += P V on WGMMA, online softmax on the CUDA cores).
+//
+// Schedule of one consumer warpgroup over key blocks n = n_max-1 ... 0 (descending, so the blocks that
+// need masking come first and the steady state runs mask-free):
+//   prologue:  S = Q K[n_max-1]^T, wait, mask, softmax -> P
+//   step(n):   issue S = Q K[n]^T ; issue O += P V[n+1] ; wait S ; mask?, softmax(S) -> P ; wait O
+//   tail:      issue O += P V[0] ; finalize row sums while it runs ; wait ; normalize
+// The softmax of block n runs on the CUDA cores while the tensor cores do P V of block n+1, and the two
+// warpgroups ping-pong their GEMM issues (named barriers) so one's softmax hides under the other's GEMMs.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "../common/block_info.hpp"
+#include "../common/mask.hpp"
+#include "../common/softmax.hpp"
+#include "../params.h"
+#include "utils_sm90.hpp"
+
+namespace flash4 {
+
+using namespace cute;
+
+template <class Traits, bool kCausal>
+struct MainloopFwdSm90 {
+  using Element = typename Traits::Element;
+  static constexpr int kBlockM = Traits::kBlockM;
+  static constexpr int kBlockN = Traits::kBlockN;
+  static constexpr int kHeadDim = Traits::kHeadDim;
+  using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
+  using TileK = Shape<Int<kBlockN>, Int<kHeadDim>>;
+  using TileVt = Shape<Int<kHeadDim>, Int<kBlockN>>;
+  // For large head dims the O rescale is issued right after the Q K^T GEMM (hidden under it) rather than
+  // after the softmax: O holds 128 registers there and the softmax tail is already long.
+  static constexpr bool kRescaleBeforeGemm = kHeadDim > 128;
+
+  // Global tensors as (seqlen, head_dim, heads, batch); V is also viewed transposed as
+  // (head_dim, seqlen, heads, batch) so its TMA box lands in the MN-major layout the PV GEMM reads.
+  using ShapeT = Shape<int32_t, int32_t, int32_t, int32_t>;
+  using StrideT = Stride<int64_t, _1, int64_t, int64_t>;
+  using StrideVt = Stride<_1, int64_t, int64_t, int64_t>;
+
+  template <class Stride, class SmemLayout, class Tile>
+  using TmaLoad = decltype(make_tma_copy(SM90_TMA_LOAD{},
+                                         make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
+                                                     ShapeT{}, Stride{}),
+                                         SmemLayout{}, Tile{}, _1{}));
+  using TmaQ = TmaLoad<StrideT, typename Traits::SmemLayoutQ, TileQ>;
+  using TmaK = TmaLoad<StrideT, decltype(take<0, 2>(typename Traits::SmemLayoutK{})), TileK>;
+  using TmaV = TmaLoad<StrideVt, decltype(take<0, 2>(typename Traits::SmemLayoutVt{})), TileVt>;
+
+  struct Params {
+    TmaQ tma_q;
+    TmaK tma_k;
+    TmaV tma_v;
+    ShapeT shape_q, shape_k, shape_vt;
+    int seqlen_q, seqlen_k;
+    int head_ratio;  // nheads_q / nheads_kv
+    float scale_log2;
+  };
+
+  static Params to_params(FwdParams const& p) {
+    auto ptr = [](const void* x) { return make_gmem_ptr(static_cast<Element const*>(x)); };
+    ShapeT shape_q = make_shape(p.seqlen_q, p.head_dim, p.nheads_q, p.batch);
+    ShapeT shape_k = make_shape(p.seqlen_k, p.head_dim, p.nheads_kv, p.batch);
+    ShapeT shape_vt = make_shape(p.head_dim, p.seqlen_k, p.nheads_kv, p.batch);
+    Tensor mQ = make_tensor(ptr(p.q), shape_q, make_stride(p.q_row_stride, _1{}, p.q_head_stride, p.q_batch_stride));
+    Tensor mK = make_tensor(ptr(p.k), shape_k, make_stride(p.k_row_stride, _1{}, p.k_head_stride, p.k_batch_stride));
+    Tensor mVt =
+        make_tensor(ptr(p.v), shape_vt, make_stride(_1{}, p.v_row_stride, p.v_head_stride, p.v_batch_stride));
+    return {make_tma_copy(SM90_TMA_LOAD{}, mQ, typename Traits::SmemLayoutQ{}, TileQ{}, _1{}),
+            make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(typename Traits::SmemLayoutK{}), TileK{}, _1{}),
+            make_tma_copy(SM90_TMA_LOAD{}, mVt, take<0, 2>(typename Traits::SmemLayoutVt{}), TileVt{}, _1{}),
+            shape_q,
+            shape_k,
+            shape_vt,
+            p.seqlen_q,
+            p.seqlen_k,
+            p.nheads_q / p.nheads_kv,
+            p.softmax_scale_log2};
+  }
+
+  CUTE_DEVICE static void prefetch_descriptors(Params const& params) {
+    cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
+  }
+
+  // Producer: one thread issues every load. K of block n and V of block n go to the same stage index of
+  // their own pipelines; K runs one block ahead of V because the consumers need K[n] before V[n+1].
+  template <class SharedStorage>
+  CUTE_DEVICE void load(Params const& params, typename Traits::PipelineK& pipeline_k,
+                        typename Traits::PipelineV& pipeline_v, SharedStorage& smem, int m_block, int bidh,
+                        int bidb, int n_block_max) const {
+    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
+    Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutVt{});
+    const int bidh_kv = bidh / params.head_ratio;
+    Tensor mQ = params.tma_q.get_tma_tensor(params.shape_q)(_, _, bidh, bidb);
+    Tensor mK = params.tma_k.get_tma_tensor(params.shape_k)(_, _, bidh_kv, bidb);
+    Tensor mVt = params.tma_v.get_tma_tensor(params.shape_vt)(_, _, bidh_kv, bidb);
+    Tensor gQ = local_tile(mQ, TileQ{}, make_coord(m_block, _0{}));  // (M, D)
+    Tensor gK = local_tile(mK, TileK{}, make_coord(_, _0{}));        // (N, D, n)
+    Tensor gVt = local_tile(mVt, TileVt{}, make_coord(_0{}, _));     // (D, N, n)
+    auto tQ = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+    auto tK = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    auto tV = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sVt), group_modes<0, 2>(gVt));
+    Tensor tQgQ = get<0>(tQ);
+    Tensor tQsQ = get<1>(tQ);
+    Tensor tKgK = get<0>(tK);  // (TMA, n_block)
+    Tensor tKsK = get<1>(tK);  // (TMA, stage)
+    Tensor tVgV = get<0>(tV);
+    Tensor tVsV = get<1>(tV);
+
+    auto state = cutlass::make_producer_start_state<typename Traits::PipelineK>();
+    auto load_k = [&](int n_block) {
+      pipeline_k.producer_acquire(state);
+      copy(params.tma_k.with(*pipeline_k.producer_get_barrier(state)), tKgK(_, n_block), tKsK(_, state.index()));
+    };
+    auto load_v = [&](int n_block, decltype(state) const& st) {
+      pipeline_v.producer_acquire(st);
+      copy(params.tma_v.with(*pipeline_v.producer_get_barrier(st)), tVgV(_, n_block), tVsV(_, st.index()));
+    };
+
+    using BarrierT = cutlass::arch::ClusterTransactionBarrier::ValueType;
+    smem.barrier_q.arrive_and_expect_tx(Traits::kTmaBytesQ);
+    copy(params.tma_q.with(reinterpret_cast<BarrierT&>(smem.barrier_q)), tQgQ, tQsQ);
+
+    int n_block = n_block_max - 1;
+    load_k(n_block);
+    for (; n_block > 0; --n_block) {
+      auto state_v = state;
+      ++state;
+      load_k(n_block - 1);
+      load_v(n_block, state_v);
+    }
+    load_v(0, state);
+  }
+
+  // Consumer: runs the schedule above for this thread's warpgroup (64 query rows) and leaves the
+  // normalized output in tOrO and the row LSEs in `lse`. thread_idx counts consumer threads (0..255).
+  // Requires n_block_max >= 1.
+  template <class SharedStorage, class FragO, class Softmax, class LSE>
+  CUTE_DEVICE void mma(Params const& params, typename Traits::PipelineK& pipeline_k,
+                       typename Traits::PipelineV& pipeline_v, SharedStorage& smem, FragO& tOrO, Softmax& softmax,
+                       LSE& lse, float softmax_scale, int thread_idx, int m_block, int n_block_max) const {
+    typename Traits::TiledMmaQK tiled_mma_qk;
+    typename Traits::TiledMmaPV tiled_mma_pv;
+    auto thr_mma_qk = tiled_mma_qk.get_thread_slice(thread_idx);
+    auto thr_mma_pv = tiled_mma_pv.get_thread_slice(thread_idx);
+
+    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
+    Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutVt{});
+    Tensor tSrQ = thr_mma_qk.partition_fragment_A(sQ);   // descriptors
+    Tensor tSrK = thr_mma_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stages)
+    Tensor tOrV = thr_mma_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stages)
+
+    Tensor tSrS = partition_fragment_C(tiled_mma_qk, select<0, 1>(typename Traits::TileShapeQK{}));
+    Tensor tSrS_rc = make_tensor(tSrS.data(), acc_rowcol_layout(tSrS.layout()));
+    Tensor tOrO_rc = make_tensor(tOrO.data(), acc_rowcol_layout(tOrO.layout()));
+    // P in 16-bit, written in S's register order and read as the RS GEMM's A operand.
+    Tensor tOrP_acc = make_tensor<Element>(tSrS.layout());
+    Tensor tOrP = make_tensor(tOrP_acc.data(), acc_as_a_operand_layout(tSrS.layout()));
+    // (row, col) of each score inside the tile, for masking.
+    Tensor tScS = thr_mma_qk.partition_C(make_identity_tensor(select<0, 1>(typename Traits::TileShapeQK{})));
+    Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol_layout(tScS.layout()));
+
+    const int warp_group = thread_idx / 128;
+    const int row0 = m_block * kBlockM;
+    auto mask = [&](int n_block) {
+      apply_mask<kCausal>(tSrS_rc, tScS_rc, row0, n_block * kBlockN, params.seqlen_q, params.seqlen_k);
+    };
+
+    clear(tOrO);
+    decltype(softmax.template update<true>(tSrS_rc)) o_scale;
+    // Ping-pong: warpgroup 0 issues first. Its own arrival plus its own first sync complete barrier 0.
+    if (warp_group == 0) named_barrier_arrive(2 * 128, int(FwdBarrier::kWarpGroup0));
+
+    smem.barrier_q.wait(0);
+    typename Traits::PipelineState read;  // K and V of one block share a stage index
+    int n_block = n_block_max - 1;
+
+    // Prologue: the last key block always takes the key-length mask (and the causal one).
+    pipeline_k.consumer_wait(read);
+    warpgroup_gemm</*zero_init=*/true, /*wait=*/0>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
+    pipeline_k.consumer_release(read);
+    mask(n_block);
+    o_scale = softmax.template update</*first=*/true>(tSrS_rc);
+    convert_fragment(tSrS, tOrP_acc);
+
+    auto step = [&](int n, auto masked) {
+      auto read_v = read;  // V of block n + 1
+      ++read;              // K of block n
+      pipeline_k.consumer_wait(read);
+      named_barrier_sync(2 * 128, int(FwdBarrier::kWarpGroup0) + warp_group);
+      warpgroup_gemm<true, -1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
+      if constexpr (kRescaleBeforeGemm) softmax.rescale(tOrO_rc, o_scale);
+      pipeline_v.consumer_wait(read_v);
+      warpgroup_gemm<false, -1>(tiled_mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
+      named_barrier_arrive(2 * 128, int(FwdBarrier::kWarpGroup0) + (1 - warp_group));
+      warpgroup_wait<1>();  // batches retire in order: S is ready, P V may still run
+      warpgroup_fence_operand(tSrS);
+      pipeline_k.consumer_release(read);
+      if constexpr (decltype(masked)::value) mask(n);
+      o_scale = softmax.template update</*first=*/false>(tSrS_rc);
+      warpgroup_wait<0>();  // P V done: tOrP may be overwritten, V's stage released
+      warpgroup_fence_operand(tOrO);
+      pipeline_v.consumer_release(read_v);
+      convert_fragment(tSrS, tOrP_acc);
+      if constexpr (!kRescaleBeforeGemm) softmax.rescale(tOrO_rc, o_scale);
+    };
+
+    --n_block;
+    if constexpr (kCausal) {
+      const int n_masked_min = n_block_min_causal_mask<kBlockM, kBlockN>(m_block, params.seqlen_q, params.seqlen_k);
+      for (; n_block >= 0 && n_block >= n_masked_min; --n_block) step(n_block, cute::true_type{});
+    }
+    for (; n_block >= 0; --n_block) step(n_block, cute::false_type{});
+
+    // Tail: the last P V, with the row-sum reduction overlapped.
+    if constexpr (kRescaleBeforeGemm) softmax.rescale(tOrO_rc, o_scale);
+    pipeline_v.consumer_wait(read);
+    warpgroup_gemm<false, -1>(tiled_mma_pv, tOrP, tOrV(_, _, _, read.index()), tOrO);
+    const auto inv_sum = softmax.finalize(softmax_scale, lse);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tOrO);
+    pipeline_v.consumer_release(read);
+    softmax.rescale(tOrO_rc, inv_sum);
+  }
+};
+
+}  // namespace flash4

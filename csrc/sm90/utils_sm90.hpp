@@ -1,0 +1,94 @@
+// Small sm90 helpers: register-layout views of WGMMA accumulators, fp32 -> 16-bit conversion, and the
+// warpgroup GEMM issue sequence.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_conversion.h>
+
+namespace flash4 {
+
+using namespace cute;
+
+// A WGMMA accumulator fragment has per-thread shape ((2, 2, N/8), MMA_M, MMA_N):
+// (column pair, row +8, block of 8 columns). Softmax wants (rows, cols):
+// rows = (row +8, MMA_M), cols = (column pair, column block, MMA_N).
+template <class Layout>
+CUTE_HOST_DEVICE constexpr auto acc_rowcol_layout(Layout acc) {
+  static_assert(decltype(rank<0>(acc))::value == 3);
+  static_assert(decltype(rank(acc))::value == 3);
+  return make_layout(make_layout(get<0, 1>(acc), get<1>(acc)),
+                     make_layout(get<0, 0>(acc), get<0, 2>(acc), get<2>(acc)));
+}
+
+template <class Tensor>
+CUTE_DEVICE auto make_rowcol_view(Tensor&& t) {
+  return make_tensor(t.data(), acc_rowcol_layout(t.layout()));
+}
+
+// The same registers seen as the A operand of a register-sourced WGMMA (P in O += P V): the A fragment
+// of a 64xKx16 atom is ((2, 2, 2), MMA_M, K/16), i.e. two 8-column blocks per k-step. The accumulator
+// of S = Q K^T already holds P's values in exactly that thread/value order, so this is a re-view, no data
+// movement.
+template <class Layout>
+CUTE_HOST_DEVICE constexpr auto acc_as_a_operand_layout(Layout acc) {
+  static_assert(decltype(size<0, 2>(acc))::value % 2 == 0);
+  auto l = logical_divide(get<0>(acc), Shape<Underscore, Underscore, _2>{});  // (2, 2, (2, N/16))
+  return make_layout(make_layout(get<0>(l), get<1>(l), get<2, 0>(l)), get<1>(acc),
+                     coalesce(make_layout(get<2, 1>(l), get<2>(acc))));
+}
+
+// Converts an fp32 fragment into a 16-bit fragment of the same size, element by element in storage
+// order (pairs convert with one cvt.rn.{bf16x2,f16x2}.f32). dst may be a different view of the data.
+template <class TensorSrc, class TensorDst>
+CUTE_DEVICE void convert_fragment(TensorSrc const& src, TensorDst&& dst) {
+  using From = typename std::remove_reference_t<TensorSrc>::value_type;
+  using To = typename std::remove_reference_t<TensorDst>::value_type;
+  constexpr int kN = decltype(size(src))::value;
+  static_assert(kN % 2 == 0 && kN == decltype(size(dst))::value);
+  cutlass::NumericArrayConverter<To, From, 2> convert;
+  auto src2 = recast<cutlass::Array<From, 2> const>(src);
+  auto dst2 = recast<cutlass::Array<To, 2>>(dst);
+#pragma unroll
+  for (int i = 0; i < kN / 2; ++i) dst2(i) = convert(src2(i));
+}
+
+// Issues C (+)= A * B for this thread's warpgroup and commits it as one WGMMA batch.
+// kZeroInit: overwrite C. kWait >= 0: wait until at most kWait batches are in flight before returning;
+// -1 returns right after the issue so the caller can overlap CUDA-core work with the tensor cores.
+// The operand fences stop the compiler from moving reads/writes of the register operands across the
+// asynchronous MMA.
+template <bool kZeroInit, int kWait, class TiledMma, class TA, class TB, class TC>
+CUTE_DEVICE void warpgroup_gemm(TiledMma& tiled_mma, TA const& tCrA, TB const& tCrB, TC& tCrC) {
+  constexpr bool kRegA = !is_base_of<GMMA::DescriptorIterator, typename TiledMma::FrgTypeA>::value;
+  if constexpr (kRegA) warpgroup_fence_operand(const_cast<TA&>(tCrA));
+  warpgroup_fence_operand(tCrC);
+  warpgroup_arrive();
+  if constexpr (kZeroInit) tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+#pragma unroll
+  for (int k = 0; k < size<2>(tCrA); ++k) {
+    cute::gemm(tiled_mma, tCrA(_, _, k), tCrB(_, _, k), tCrC);
+    tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  if constexpr (kWait >= 0) warpgroup_wait<kWait>();
+  warpgroup_fence_operand(tCrC);
+  if constexpr (kRegA) warpgroup_fence_operand(const_cast<TA&>(tCrA));
+}
+
+// Named barriers (id 0 is __syncthreads). bar.sync waits for `threads` arrivals counting itself;
+// bar.arrive adds arrivals without waiting: that pair orders two warpgroups without stalling the
+// signalling one.
+CUTE_DEVICE void named_barrier_sync(int threads, int id) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+CUTE_DEVICE void named_barrier_arrive(int threads, int id) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+enum class FwdBarrier : int {
+  kEpilogue = 1,  // all consumer threads: O tile complete in shared memory
+  kWarpGroup0 = 2,  // ping-pong: consumer warpgroup 0 may issue its GEMMs
+  kWarpGroup1 = 3,  // ping-pong: consumer warpgroup 1 may issue its GEMMs
+};
+
+}  // namespace flash4
