@@ -84,12 +84,12 @@ def bench(C, d, seqlen, causal):
     )
 
 
-def load_extension():
-    """Loads flash_attn4/_C*.so directly, bypassing the package's __init__ and dispatch."""
+def load_extension(root=None):
+    """Loads <root>/flash_attn4/_C*.so directly, bypassing the package's __init__ and dispatch."""
     import importlib.util
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1] / "flash_attn4"
+    root = Path(root or Path(__file__).resolve().parents[1]) / "flash_attn4"
     so = sorted(root.glob("_C*.so"))
     if not so:
         raise SystemExit(f"no flash_attn4/_C*.so under {root}: build first (python3 setup.py build_ext --inplace)")
@@ -102,14 +102,17 @@ def load_extension():
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--no-bench", action="store_true")
+    ap.add_argument("--bench-only", action="store_true")
+    ap.add_argument("--root", default=None, help="source tree whose flash_attn4/_C*.so to load")
+    ap.add_argument("--seqlens", default="4096,8192")
     args = ap.parse_args()
-    _C = load_extension()
+    _C = load_extension(args.root)
 
     kernels = _C.compiled_kernels()
     hdims = sorted({int(n.split("hdim")[1].split("_")[0]) for n in kernels})
     print("compiled:", len(kernels), "kernels, hdims", hdims)
     ok = True
-    for d in hdims:
+    for d in [] if args.bench_only else hdims:
         for causal in (False, True):
             for b, sq, sk, hq, hk in ((2, 128, 128, 4, 4), (1, 1, 1, 2, 1), (2, 113, 203, 6, 2), (1, 239, 17, 4, 1),
                                       (1, 1023, 1024, 4, 4), (3, 517, 4224, 2, 2)):
@@ -118,7 +121,7 @@ def main() -> int:
     if not args.no_bench:
         for d in [h for h in (64, 128, 256) if h in hdims]:
             for causal in (False, True):
-                for s in (4096, 8192):
+                for s in map(int, args.seqlens.split(",")):
                     bench(_C, d, s, causal)
     print("ALL OK" if ok else "SOME FAILED")
     return 0 if ok else 1

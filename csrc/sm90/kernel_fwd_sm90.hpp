@@ -61,7 +61,7 @@ struct FwdKernelSm90 {
     pipe_params.role = warp_group == 0 ? Traits::PipelineK::ThreadCategory::Producer
                                        : Traits::PipelineK::ThreadCategory::Consumer;
     pipe_params.is_leader = threadIdx.x == 0;  // the producer thread below
-    pipe_params.num_consumers = Traits::kNumMmaThreads;
+    pipe_params.num_consumers = Traits::kNumMmaWarpGroups;  // see `release` in the mainloop
     // The constructors initialize the barriers (warp 0) and fence the initialization.
     typename Traits::PipelineK pipeline_k(smem.pipeline_k, pipe_params, Shape<_1, _1, _1>{});
     typename Traits::PipelineV pipeline_v(smem.pipeline_v, pipe_params, Shape<_1, _1, _1>{});

@@ -170,6 +170,11 @@ struct MainloopFwdSm90 {
     Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol_layout(tScS.layout()));
 
     const int warp_group = thread_idx / 128;
+    // One arrival per warpgroup frees a stage (the empty barriers count warpgroups, not threads): the
+    // warpgroup's WGMMAs that read the stage have retired once any of its threads passed the wait.
+    auto release = [&](auto& pipeline, auto const& state) {
+      if (thread_idx % 128 == 0) pipeline.consumer_release(state);
+    };
     const int row0 = m_block * kBlockM;
     auto mask = [&](int n_block) {
       apply_mask<kCausal>(tSrS_rc, tScS_rc, row0, n_block * kBlockN, params.seqlen_q, params.seqlen_k);
@@ -187,7 +192,7 @@ struct MainloopFwdSm90 {
     // Prologue: the last key block always takes the key-length mask (and the causal one).
     pipeline_k.consumer_wait(read);
     warpgroup_gemm</*zero_init=*/true, /*wait=*/0>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
-    pipeline_k.consumer_release(read);
+    release(pipeline_k, read);
     mask(n_block);
     o_scale = softmax.template update</*first=*/true>(tSrS_rc);
     convert_fragment(tSrS, tOrP_acc);
@@ -204,12 +209,12 @@ struct MainloopFwdSm90 {
       named_barrier_arrive(2 * 128, int(FwdBarrier::kWarpGroup0) + (1 - warp_group));
       warpgroup_wait<1>();  // batches retire in order: S is ready, P V may still run
       warpgroup_fence_operand(tSrS);
-      pipeline_k.consumer_release(read);
+      release(pipeline_k, read);
       if constexpr (decltype(masked)::value) mask(n);
       o_scale = softmax.template update</*first=*/false>(tSrS_rc);
       warpgroup_wait<0>();  // P V done: tOrP may be overwritten, V's stage released
       warpgroup_fence_operand(tOrO);
-      pipeline_v.consumer_release(read_v);
+      release(pipeline_v, read_v);
       convert_fragment(tSrS, tOrP_acc);
       if constexpr (!kRescaleBeforeGemm) softmax.rescale(tOrO_rc, o_scale);
     };
@@ -228,7 +233,7 @@ struct MainloopFwdSm90 {
     const auto inv_sum = softmax.finalize(softmax_scale, lse);
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
-    pipeline_v.consumer_release(read);
+    release(pipeline_v, read);
     softmax.rescale(tOrO_rc, inv_sum);
   }
 };

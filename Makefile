@@ -1,0 +1,43 @@
+# Developer entry points. Build knobs come from the environment or the make command line and reach
+# setup.py unchanged (make exports both to recipes), e.g.:
+#   make build FLASH_ATTN4_HDIMS=128 FLASH_ATTN4_DTYPES=bf16 MAX_JOBS=8
+# BENCH_ARGS adds flags to the benchmark targets, e.g. make bench BENCH_ARGS="--hdims 128 --causal 1".
+
+PYTHON ?= python3
+BENCH_ARGS ?=
+
+.PHONY: install build test bench bench-quick gpu-check compile-check lint format clean
+
+install:  ## build against the torch you run (no build isolation: ABI) and install
+	$(PYTHON) -m pip install --no-build-isolation -v .
+
+build:  ## compile flash_attn4/_C in place, for working from the source tree
+	$(PYTHON) setup.py build_ext --inplace
+
+test:  ## the README's test command; GPU tests skip (with the reason) without a GPU and built kernels
+	$(PYTHON) -m pytest -q tests
+
+bench:  ## full ANCHORS grid -> benchmarks/results/<gpu>_fwd.json + .png
+	$(PYTHON) benchmarks/bench_fwd.py $(BENCH_ARGS)
+
+bench-quick:  ## hdim 64/128/256 x seqlen 4096/8192 x causal both
+	$(PYTHON) benchmarks/bench_fwd.py --quick $(BENCH_ARGS)
+
+gpu-check:  ## build + tests + quick bench on a GPU machine without network; logs in $$OUT or build/gpu_check
+	bash scripts/gpu_check.sh
+
+compile-check:  ## compile one sm_90a forward instantiation with nvcc (no GPU needed)
+	$(PYTHON) tools/compile_check.py
+
+lint:
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+
+format:
+	$(PYTHON) -m ruff check --fix .
+	$(PYTHON) -m ruff format .
+
+clean:
+	rm -rf build dist *.egg-info flash_attn4/_C*.so flash_attn4/_build_config.py \
+		csrc/instantiations csrc/instantiations_check .pytest_cache .ruff_cache .hypothesis
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

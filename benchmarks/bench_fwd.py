@@ -1,0 +1,217 @@
+"""Forward attention benchmark over the ANCHORS.md grid, ours against the SDPA backends and flash-attn-4.
+
+    python3 benchmarks/bench_fwd.py                # full grid, writes benchmarks/results/<gpu>_fwd.json/.png
+    python3 benchmarks/bench_fwd.py --quick        # hdim 64/128/256 x seqlen 4096/8192 x causal both
+    python3 benchmarks/bench_fwd.py --hdims 128 --seqlens 8192 --causal 1 --impls flash_attn4,sdpa_cudnn
+
+Shapes follow the FlashAttention papers: batch * seqlen = 16384 tokens, nheads * headdim = 2048, q/k/v of
+equal shape, random normal inputs. FLOPs = 4 * b * h * s^2 * d, halved when causal. Times are do_bench
+medians (CUDA-event medians when triton is missing); only the attention call is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import re
+import statistics
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+from plot import format_table, plot_records  # benchmarks/ is on sys.path when run as a script
+
+IMPLS = ["flash_attn4", "fa4_cute", "sdpa_cudnn", "sdpa_flash"]
+HDIMS = [64, 128, 256]
+SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
+TOKENS, WIDTH = 16384, 2048  # batch * seqlen, nheads * hdim
+RESULTS = Path(__file__).resolve().parent / "results"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hdims", type=_ints, default=HDIMS, help="comma list (default 64,128,256)")
+    ap.add_argument("--seqlens", type=_ints, default=SEQLENS, help="comma list (default 512..16384)")
+    ap.add_argument("--causal", choices=["0", "1", "both"], default="both")
+    ap.add_argument("--quick", action="store_true", help="hdim 64/128/256 x seqlen 4096/8192 x causal both")
+    ap.add_argument("--impls", default=",".join(IMPLS), help=f"comma list from {','.join(IMPLS)}")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--warmup", type=int, default=25, help="do_bench warmup (ms)")
+    ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time (ms)")
+    ap.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/<gpu>_fwd.json)")
+    ap.add_argument("--plot", type=Path, help="PNG path (default: the JSON path with .png)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.hdims, args.seqlens, args.causal = HDIMS, [4096, 8192], "both"
+    args.impls = [i.strip() for i in args.impls.split(",") if i.strip()]
+    unknown = sorted(set(args.impls) - set(IMPLS))
+    if unknown:
+        ap.error(f"unknown impls {unknown}; choose from {IMPLS}")
+    return args
+
+
+def gpu_slug(name: str) -> str:
+    """'NVIDIA H200' -> 'h200': the default result file name."""
+    name = re.sub(r"^nvidia\s+", "", name.strip(), flags=re.IGNORECASE)
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_") or "gpu"
+
+
+def bench_ms(fn: Callable[[], object], warmup: int, rep: int) -> float:
+    """Median milliseconds of fn() on the current stream."""
+    try:
+        from triton.testing import do_bench
+    except ImportError:
+        do_bench = None
+    if do_bench is not None:
+        return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+    # Fallback: CUDA events around each call, after a warmup; the median resists clock/boost noise.
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(max(10, rep // 2)):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _import_flash_attn4() -> None:
+    """Import flash_attn4 (registers torch.ops.flash_attn4.fwd): the installed package, else the source
+    tree (`make build` compiles _C in place; running this file puts benchmarks/, not the repo root, on
+    sys.path)."""
+    try:
+        import flash_attn4  # noqa: F401
+    except ImportError:
+        sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
+        import flash_attn4  # noqa: F401
+    print(f"flash_attn4 from {sys.modules['flash_attn4'].__file__}", file=sys.stderr)
+
+
+def make_impl(name: str, q, k, v, causal: bool) -> tuple[Callable[[], object], object]:
+    """(fn, context manager to hold while timing) for one impl; raises when it cannot run.
+
+    q, k, v are (b, s, h, d) contiguous. SDPA wants (b, h, s, d): it gets its own contiguous copies, made
+    here, so no transpose or copy lands inside the timed call.
+    """
+    import contextlib
+
+    if name == "flash_attn4":
+        from flash_attn4 import _build_info
+
+        ok, why = _build_info.kernel_available(q.device, q.dtype, q.shape[-1])
+        if not ok:
+            raise RuntimeError(f"kernel unavailable: {why}")
+        op, scale = torch.ops.flash_attn4.fwd, q.shape[-1] ** -0.5
+        return (lambda: op(q, k, v, scale, causal, -1, -1, 0.0)), contextlib.nullcontext()
+    if name == "fa4_cute":
+        from flash_attn.cute import flash_attn_func
+
+        return (lambda: flash_attn_func(q, k, v, causal=causal)), contextlib.nullcontext()
+    if name in ("sdpa_cudnn", "sdpa_flash"):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+        backend = SDPBackend.CUDNN_ATTENTION if name == "sdpa_cudnn" else SDPBackend.FLASH_ATTENTION
+        qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+        return (lambda: sdpa(qt, kt, vt, is_causal=causal)), sdpa_kernel(backend)
+    raise ValueError(name)
+
+
+def available_impls(requested: list[str]) -> list[str]:
+    """The requested impls that can run here at all; says why the others are left out."""
+    keep = []
+    for name in requested:
+        why = ""
+        if name == "flash_attn4":
+            from flash_attn4 import _build_info
+
+            ext, why = _build_info.load_extension()
+        elif name == "fa4_cute":
+            try:
+                import flash_attn.cute  # noqa: F401
+            except Exception as e:  # ImportError, or a broken install failing inside its import
+                why = f"flash_attn.cute does not import ({type(e).__name__}: {e})"
+        if why:
+            print(f"skipping {name}: {why}", file=sys.stderr)
+        else:
+            keep.append(name)
+    return keep
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        tqdm = None
+    dtype = DTYPES[args.dtype]
+    causals = {"0": [False], "1": [True], "both": [False, True]}[args.causal]
+    grid = [(h, s, c) for h in args.hdims for s in args.seqlens for c in causals]
+    meta = {
+        "dtype": args.dtype,
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "date": datetime.date.today().isoformat(),
+    }
+    records = []
+    bar = tqdm(grid, desc="fwd", unit="shape") if tqdm else grid
+    for i, (hdim, seqlen, causal) in enumerate(bar):
+        if tqdm is None:
+            print(f"[{i + 1}/{len(grid)}] hdim={hdim} seqlen={seqlen} causal={causal}", flush=True)
+        batch, nheads = max(1, TOKENS // seqlen), WIDTH // hdim
+        q, k, v = (torch.randn(batch, seqlen, nheads, hdim, dtype=dtype, device="cuda") for _ in "qkv")
+        flops = 4 * batch * nheads * seqlen * seqlen * hdim / (2 if causal else 1)
+        for impl in args.impls:
+            rec = {"impl": impl, "hdim": hdim, "seqlen": seqlen, "causal": causal, "batch": batch}
+            rec.update(nheads=nheads, **meta)
+            try:
+                fn, ctx = make_impl(impl, q, k, v, causal)
+                with ctx:
+                    ms = bench_ms(fn, args.warmup, args.rep)
+                rec.update(fwd_ms=ms, fwd_tflops=flops / (ms * 1e-3) / 1e12)
+            except Exception as e:  # one impl failing on one shape must not end the sweep
+                rec.update(fwd_ms=None, fwd_tflops=None, error=f"{type(e).__name__}: {e}"[:500])
+            records.append(rec)
+        del q, k, v
+        torch.cuda.empty_cache()
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_fwd.py needs a CUDA device; none is visible.", file=sys.stderr)
+        return 1
+    _import_flash_attn4()
+    args.impls = available_impls(args.impls)
+    records = run(args)
+    out = args.out or RESULTS / f"{gpu_slug(torch.cuda.get_device_name())}_fwd.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(records, indent=1) + "\n")
+    print(format_table(records))
+    errors = sorted({(r["impl"], r["error"]) for r in records if r.get("error")})
+    for impl, err in errors:
+        print(f"  {impl}: {err}")
+    print(f"results: {out}")
+    try:
+        png = plot_records(records, args.plot or out.with_suffix(".png"), title=records[0]["gpu"])
+        print(f"plot: {png}")
+    except ImportError as e:
+        print(f"no plot ({e}); pip install matplotlib")
+    ok = [r for r in records if r.get("fwd_tflops") is not None and not math.isnan(r["fwd_tflops"])]
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,14 @@
+"""flash_attn4: fast exact attention for PyTorch.
+
+CUTLASS/CuTe kernels for Hopper GPUs (`flash_attn4._C`), and a plain PyTorch reference for everything
+else. Usage: `out = flash_attn4.attn(q, k, v, causal=True)` with q, k, v shaped (batch, seqlen, nheads,
+headdim).
+"""
+
+from flash_attn4 import reference
+from flash_attn4._build_info import is_built
+from flash_attn4.interface import attn
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__", "attn", "is_built", "reference"]

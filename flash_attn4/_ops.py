@@ -1,0 +1,242 @@
+"""torch.library custom ops: the one autograd path.
+
+    flash_attn4::fwd(q, k, v, softmax_scale, causal, window_left, window_right, softcap) -> (out, lse)
+    flash_attn4::bwd(dout, dlse, q, k, v, out, lse, softmax_scale, causal, window_left, window_right,
+                     softcap) -> (dq, dk, dv)
+
+Both have fake (meta) implementations, so torch.compile(fullgraph=True) and CUDA-graph capture trace
+through them. Each call goes to the compiled kernel when one can serve it (see `_kernel_plan`), else to
+`reference.attention_ref`; a CUDA call that falls back warns once per reason.
+
+No `from __future__ import annotations` here: custom_op reads the schema from real annotations.
+"""
+
+import warnings
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from flash_attn4 import _build_info, reference
+
+
+class ReferenceFallbackWarning(UserWarning):
+    """A CUDA call ran on the slow PyTorch reference; the message says why and how to fix it."""
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(reason: str) -> None:
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(
+            f"flash_attn4: using the slow PyTorch reference on CUDA: {reason}",
+            ReferenceFallbackWarning,
+            stacklevel=3,
+        )
+
+
+def _effective_mask(
+    seqlen_q: int, seqlen_k: int, causal: bool, window_left: int, window_right: int
+) -> tuple[int, int]:
+    """(left, right) after dropping window sides that mask nothing; -1 = unbounded.
+
+    With query i at key position p = i + seqlen_k - seqlen_q (p in [seqlen_k - seqlen_q, seqlen_k - 1]):
+    left >= seqlen_k - 1 never excludes a key j >= 0, right >= seqlen_q - 1 never excludes j <= seqlen_k - 1.
+    """
+    right = (0 if window_right < 0 else min(window_right, 0)) if causal else window_right
+    left = -1 if window_left < 0 or window_left >= seqlen_k - 1 else window_left
+    right = -1 if right < 0 or right >= seqlen_q - 1 else right
+    return left, right
+
+
+def _kernel_plan(
+    q: Tensor, k: Tensor, causal: bool, window_left: int, window_right: int, softcap: float
+) -> tuple[Optional[bool], str]:
+    """Decide the path. Returns (causal for the kernel, "") or (None, why the reference runs)."""
+    if q.numel() == 0 or k.shape[1] == 0:
+        return None, ""  # nothing to compute (or only empty rows): no kernel launch, nothing to warn about
+    ok, why = _build_info.kernel_available(q.device, q.dtype, q.shape[-1])
+    if not ok:
+        return None, why
+    if softcap != 0.0:
+        return None, "softcap is not implemented in the CUDA kernel yet; pass softcap=0.0 for the fast path"
+    left, right = _effective_mask(q.shape[1], k.shape[1], causal, window_left, window_right)
+    if left != -1 or right not in (-1, 0):
+        return None, (
+            "sliding-window attention is not implemented in the CUDA kernel yet; "
+            "use window_size=(-1, -1) (optionally causal=True) for the fast path"
+        )
+    return right == 0, ""
+
+
+def _tma_ready(t: Tensor) -> Tensor:
+    """`t` itself when the kernel can read it in place, else a contiguous copy.
+
+    TMA needs a last-dim stride of 1, every other stride a multiple of 8 elements (16 bytes) and a
+    16-byte aligned base. A stride of 0 on a dim of size > 1 (an expanded tensor) is copied too: a TMA
+    descriptor is not meant to describe overlapping rows. `clone`, not `contiguous`: the latter returns a
+    misaligned or odd-strided size-1 tensor unchanged because it already counts as contiguous.
+    """
+    ok = (
+        t.stride(-1) == 1
+        and all(s % 8 == 0 and (s != 0 or n == 1) for s, n in zip(t.stride()[:-1], t.shape[:-1]))
+        and t.data_ptr() % 16 == 0
+    )
+    return t if ok else t.clone(memory_format=torch.contiguous_format)
+
+
+def fwd_into(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, softmax_scale: float, causal: bool
+) -> None:
+    """Run the compiled forward kernel, writing every element of `out` and `lse`.
+
+    Args:
+        q: (batch, seqlen_q, nheads_q, headdim) fp16/bf16 on an sm90 device; k, v: (batch, seqlen_k,
+            nheads_kv, headdim), same dtype. Any strides; copies are made only where TMA needs them.
+        out: (batch, seqlen_q, nheads_q, headdim), q's dtype, contiguous. Written.
+        lse: (batch, nheads_q, seqlen_q) float32, contiguous. Written.
+        softmax_scale: for the ORIGINAL head dim (padding below must not change it).
+    """
+    ext, why = _build_info.load_extension()
+    if ext is None:
+        raise RuntimeError(why)
+    b, sq, hq, d = q.shape
+    if out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {q.dtype} tensor of shape {tuple(q.shape)}")
+    if lse.shape != (b, hq, sq) or lse.dtype != torch.float32 or not lse.is_contiguous():
+        raise ValueError(f"lse must be a contiguous float32 tensor of shape {(b, hq, sq)}")
+    dpad = _build_info.padded_hdim(d)
+    if dpad is None:
+        raise ValueError(f"head dim {d} has no built kernel (built: {_build_info.HDIMS})")
+    if dpad != d:
+        # Zero columns add nothing to q.k and produce zero output columns, which are dropped.
+        pad = (0, dpad - d)
+        q, k, v = (torch.nn.functional.pad(t, pad) for t in (q, k, v))
+        out_k = out.new_empty(b, sq, hq, dpad)
+    else:
+        out_k = out
+    ext.fwd(_tma_ready(q), _tma_ready(k), _tma_ready(v), out_k, lse, float(softmax_scale), bool(causal))
+    if out_k is not out:
+        out.copy_(out_k[..., :d])
+
+
+def _reference_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    softmax_scale: float,
+    causal: bool,
+    window: tuple[int, int],
+    softcap: float,
+) -> tuple[Tensor, Tensor]:
+    out, lse = reference.attention_ref(
+        q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window, softcap=softcap
+    )
+    return out.contiguous(), lse.contiguous()
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@torch.library.custom_op("flash_attn4::fwd", mutates_args=())
+def fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+) -> tuple[Tensor, Tensor]:
+    """Forward. q (b, sq, hq, d), k/v (b, sk, hk, d) -> out (b, sq, hq, d) q.dtype, lse (b, hq, sq) fp32.
+
+    Inputs are assumed validated (`interface.attn` does that). lse is float32, except float64 for
+    float64 inputs (CPU reference only), so that gradcheck can check gradients through lse.
+    """
+    kernel_causal, why = _kernel_plan(q, k, causal, window_left, window_right, softcap)
+    if kernel_causal is None:
+        if why and q.is_cuda:
+            _warn_once(why)
+        return _reference_fwd(q, k, v, softmax_scale, causal, (window_left, window_right), softcap)
+    b, sq, hq, d = q.shape
+    out = q.new_empty(b, sq, hq, d)
+    lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
+    fwd_into(q, k, v, out, lse, softmax_scale, kernel_causal)
+    return out, lse
+
+
+@fwd.register_fake
+def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap):
+    b, sq, hq, d = q.shape
+    return q.new_empty(b, sq, hq, d), torch.empty(b, hq, sq, dtype=_lse_dtype(q.dtype), device=q.device)
+
+
+@torch.library.custom_op("flash_attn4::bwd", mutates_args=())
+def bwd(
+    dout: Tensor,
+    dlse: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Backward. dout (b, sq, hq, d), dlse (b, hq, sq) -> dq like q, dk like k, dv like v.
+
+    On the reference path this is `reference.attention_bwd_ref` (float32 math, float64 for float64 inputs),
+    the exact gradient with respect to both outputs: gradients through lse are right too. (It is written
+    out rather than taken with torch.func.vjp, which breaks under dispatch modes such as opcheck's schema
+    check.) `out` and `lse` are what the kernel backward will use; the reference recomputes them.
+    """
+    kernel_causal, _ = _kernel_plan(q, k, causal, window_left, window_right, softcap)
+    if kernel_causal is not None:
+        raise NotImplementedError(
+            "flash_attn4: the Hopper backward kernel is not implemented yet (tracked as the 'Hopper "
+            "backward' issue); the forward ran on the CUDA kernel, so its gradient is not available. "
+            "Run under torch.no_grad() / detach the inputs for inference, or use CPU tensors (the reference "
+            "path) when you need gradients."
+        )
+    grads = reference.attention_bwd_ref(
+        dout,
+        q,
+        k,
+        v,
+        dlse=dlse,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        window_size=(window_left, window_right),
+        softcap=softcap,
+    )
+    return tuple(g.contiguous() for g in grads)
+
+
+@bwd.register_fake
+def _bwd_fake(dout, dlse, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, softmax_scale, causal, window_left, window_right, softcap = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.args = (softmax_scale, causal, window_left, window_right, softcap)
+
+
+def _backward(ctx, dout: Optional[Tensor], dlse: Optional[Tensor]):
+    q, k, v, out, lse = ctx.saved_tensors
+    dout = torch.zeros_like(out) if dout is None else dout
+    dlse = torch.zeros_like(lse) if dlse is None else dlse
+    dq, dk, dv = bwd(dout, dlse, q, k, v, out, lse, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None
+
+
+fwd.register_autograd(_backward, setup_context=_setup_context)
