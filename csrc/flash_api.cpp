@@ -13,19 +13,31 @@ namespace {
 
 using flash4::DType;
 
+// Error messages are assembled with std::to_string and std::string only. Streaming integers into
+// c10::str (std::ostringstream) crashed on the H200 machine: the extension, built by that machine's
+// newer g++, carried its own ostream<<long whose locale facets did not match the process's libstdc++.
+std::string str(at::IntArrayRef xs) {
+  std::string s = "(";
+  for (size_t i = 0; i < xs.size(); ++i) s += (i ? ", " : "") + std::to_string(xs[i]);
+  return s + ")";
+}
+std::string str(int64_t x) { return std::to_string(x); }
+
 // TMA descriptors need 16-byte aligned base addresses and strides (8 elements of a 16-bit type) and a
 // contiguous innermost dimension. The Python side copies inputs that break this; these checks make a
 // direct call fail loudly instead of faulting.
 void check_tma_layout(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.stride(-1) == 1, "flash_attn4: ", name, " must have a contiguous last dimension (stride 1), got ",
-              t.strides());
+  TORCH_CHECK(t.stride(-1) == 1, std::string("flash_attn4: ") + name +
+                                     " must have a contiguous last dimension (stride 1), got strides " +
+                                     str(t.strides()));
   for (int d = 0; d < t.dim() - 1; ++d) {
-    TORCH_CHECK(t.stride(d) % 8 == 0, "flash_attn4: every stride of ", name,
-                " except the last must be a multiple of 8 elements (16 bytes) for TMA; got ", t.strides(),
-                ". Call .contiguous() first.");
+    TORCH_CHECK(t.stride(d) % 8 == 0, std::string("flash_attn4: every stride of ") + name +
+                                          " except the last must be a multiple of 8 elements (16 bytes) "
+                                          "for TMA; got " + str(t.strides()) + ". Call .contiguous() first.");
   }
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "flash_attn4: ", name,
-              " must start at a 16-byte aligned address (got a view with an odd offset); call .contiguous().");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
+              std::string("flash_attn4: ") + name +
+                  " must start at a 16-byte aligned address (got a view with an odd offset); call .contiguous().");
 }
 
 int device_arch(const at::Tensor& t) {
@@ -43,8 +55,8 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
                   lse.device() == q.device(),
               "flash_attn4: q, k, v, out and lse must be on the same device");
   const auto dtype = q.scalar_type();
-  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "flash_attn4: q must be bfloat16 or float16, got ",
-              dtype);
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf,
+              std::string("flash_attn4: q must be bfloat16 or float16, got ") + c10::toString(dtype));
   TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype && out.scalar_type() == dtype,
               "flash_attn4: q, k, v and out must share one dtype");
   TORCH_CHECK(lse.scalar_type() == at::kFloat, "flash_attn4: lse must be float32");
@@ -52,12 +64,14 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
 
   const int64_t batch = q.size(0), seqlen_q = q.size(1), nheads_q = q.size(2), head_dim = q.size(3);
   const int64_t seqlen_k = k.size(1), nheads_kv = k.size(2);
-  TORCH_CHECK(k.size(0) == batch && k.size(3) == head_dim, "flash_attn4: k must be (batch, seqlen_k, nheads_kv, ",
-              head_dim, "), got ", k.sizes());
-  TORCH_CHECK(v.sizes() == k.sizes(), "flash_attn4: v must have k's shape ", k.sizes(), ", got ", v.sizes());
-  TORCH_CHECK(nheads_kv > 0 && nheads_q % nheads_kv == 0, "flash_attn4: nheads_q (", nheads_q,
-              ") must be a multiple of nheads_kv (", nheads_kv, ")");
-  TORCH_CHECK(out.sizes() == q.sizes(), "flash_attn4: out must have q's shape ", q.sizes());
+  TORCH_CHECK(k.size(0) == batch && k.size(3) == head_dim,
+              "flash_attn4: k must be (batch, seqlen_k, nheads_kv, " + str(head_dim) + "), got " + str(k.sizes()));
+  TORCH_CHECK(v.sizes() == k.sizes(),
+              "flash_attn4: v must have k's shape " + str(k.sizes()) + ", got " + str(v.sizes()));
+  TORCH_CHECK(nheads_kv > 0 && nheads_q % nheads_kv == 0, "flash_attn4: nheads_q (" + str(nheads_q) +
+                                                              ") must be a multiple of nheads_kv (" +
+                                                              str(nheads_kv) + ")");
+  TORCH_CHECK(out.sizes() == q.sizes(), "flash_attn4: out must have q's shape " + str(q.sizes()));
   TORCH_CHECK(lse.dim() == 3 && lse.size(0) == batch && lse.size(1) == nheads_q && lse.size(2) == seqlen_q &&
                   lse.is_contiguous(),
               "flash_attn4: lse must be a contiguous float32 tensor of shape (batch, nheads_q, seqlen_q)");
@@ -75,9 +89,12 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
   // The sm_90a kernels run on compute capability 9.0 only (arch-specific target, not forward compatible).
   const int kernel_arch = arch == 90 ? 90 : 0;
   const flash4::FwdKernelEntry* entry = flash4::find_fwd_kernel(kernel_arch, kdtype, int(head_dim), causal);
-  TORCH_CHECK(entry != nullptr, "flash_attn4: no compiled forward kernel for sm_", arch, ", ",
-              (kdtype == DType::kBF16 ? "bf16" : "fp16"), ", head_dim ", head_dim, ", causal=", causal,
-              ". Rebuild with that head dim/dtype in FLASH_ATTN4_HDIMS / FLASH_ATTN4_DTYPES, or use a Hopper GPU.");
+  TORCH_CHECK(entry != nullptr,
+              "flash_attn4: no compiled forward kernel for sm_" + str(arch) + ", " +
+                  (kdtype == DType::kBF16 ? "bf16" : "fp16") + ", head_dim " + str(head_dim) +
+                  ", causal=" + (causal ? "True" : "False") +
+                  ". Rebuild with that head dim/dtype in FLASH_ATTN4_HDIMS / FLASH_ATTN4_DTYPES, or use a "
+                  "Hopper GPU.");
 
   flash4::FwdParams p;
   p.q = q.data_ptr();

@@ -117,7 +117,8 @@ def main() -> int:
             for b, sq, sk, hq, hk in ((2, 128, 128, 4, 4), (1, 1, 1, 2, 1), (2, 113, 203, 6, 2), (1, 239, 17, 4, 1),
                                       (1, 1023, 1024, 4, 4), (3, 517, 4224, 2, 2)):
                 ok &= check(_C, b, sq, sk, hq, hk, d, causal, torch.bfloat16)
-        ok &= check(_C, 2, 300, 300, 4, 2, d, True, torch.float16)
+        if any(n.startswith("fwd_sm90_fp16") for n in kernels):
+            ok &= check(_C, 2, 300, 300, 4, 2, d, True, torch.float16)
     if not args.no_bench:
         for d in [h for h in (64, 128, 256) if h in hdims]:
             for causal in (False, True):

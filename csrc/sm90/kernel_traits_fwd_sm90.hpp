@@ -63,8 +63,12 @@ struct FwdTraitsSm90 {
   using SmemLayoutO = SmemLayoutQ;
   using SmemLayoutK = decltype(tile_to_shape(gmma_smem_atom<Element, kHeadDim, GMMA::Major::K>(),
                                              Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  // Atoms ordered along N first (Step<_2, _1, _3>): for each 64-wide head-dim slab all kBlockN key rows
+  // are contiguous, so one TMA box covers (64, kBlockN) instead of (64, 8): 2 copies per V tile at
+  // hdim 128 instead of 32.
   using SmemLayoutVt = decltype(tile_to_shape(gmma_smem_atom<Element, kHeadDim, GMMA::Major::MN>(),
-                                              Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}));
+                                              Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
+                                              Step<_2, _1, _3>{}));
 
   using PipelineK = cutlass::PipelineTmaAsync<kStages>;
   using PipelineV = cutlass::PipelineTmaAsync<kStages>;
