@@ -42,7 +42,9 @@ def cutlass_include_dir() -> Path:
             ) from e
         path = Path(cutlass_library.__file__).resolve().parent / "source" / "include"
     if not (path / "cute" / "tensor.hpp").exists():
-        raise RuntimeError(f"{path} does not contain cute/tensor.hpp; expected the CUTLASS include/ directory.")
+        raise RuntimeError(
+            f"{path} does not contain cute/tensor.hpp; expected the CUTLASS include/ directory."
+        )
     return path
 
 

@@ -41,7 +41,8 @@ class FwdKernel:
             _HEADER
             + f'#include "../launch/launch_fwd_sm{self.arch}.hpp"\n\n'
             + "namespace flash4 {\n"
-            + f"template <>\nvoid run_fwd<{self.template_args}>(const FwdParams& params, cudaStream_t stream) {{\n"
+            + f"template <>\nvoid run_fwd<{self.template_args}>"
+            + "(const FwdParams& params, cudaStream_t stream) {\n"
             + f"  run_fwd_sm{self.arch}<{_CPP_DTYPE[self.dtype]}, {self.hdim}, {str(self.causal).lower()}>"
             + "(params, stream);\n}\n}  // namespace flash4\n"
         )
@@ -52,7 +53,9 @@ def kernels(archs=ARCHS, dtypes=DTYPES, hdims=HDIMS) -> list[FwdKernel]:
 
 
 def table_source(ks: list[FwdKernel]) -> str:
-    decls = "".join(f"template <>\nvoid run_fwd<{k.template_args}>(const FwdParams&, cudaStream_t);\n" for k in ks)
+    decls = "".join(
+        f"template <>\nvoid run_fwd<{k.template_args}>(const FwdParams&, cudaStream_t);\n" for k in ks
+    )
     rows = "".join(
         f"    {{{k.arch}, {_CPP_DTYPE[k.dtype]}, {k.hdim}, {str(k.causal).lower()}, "
         f'&run_fwd<{k.template_args}>, "{k.name}"}},\n'

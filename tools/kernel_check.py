@@ -48,9 +48,10 @@ def check(C, b, sq, sk, hq, hk, d, causal, dtype) -> bool:
     err = (out.float() - o_ref).abs().max().item()
     err_lp = (o_lp.float() - o_ref).abs().max().item()
     fin = torch.isfinite(lse_ref)
-    lse_ok = bool(torch.equal(fin, torch.isfinite(lse))) and (
-        (lse[fin] - lse_ref[fin]).abs().max().item() if fin.any() else 0.0
-    ) < 1e-3
+    lse_ok = (
+        bool(torch.equal(fin, torch.isfinite(lse)))
+        and ((lse[fin] - lse_ref[fin]).abs().max().item() if fin.any() else 0.0) < 1e-3
+    )
     ok = bool(torch.isfinite(out).all()) and err <= 2 * err_lp + 1e-3 and lse_ok
     print(
         f"{'ok  ' if ok else 'FAIL'} b={b} sq={sq} sk={sk} hq={hq} hk={hk} d={d} causal={causal} {dtype}: "
@@ -74,7 +75,9 @@ def bench(C, d, seqlen, causal):
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         ms_cudnn = do_bench(
             lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal),
-            warmup=50, rep=200, return_mode="median",
+            warmup=50,
+            rep=200,
+            return_mode="median",
         )
     flops = 4 * b * h * seqlen * seqlen * d / (2 if causal else 1)
     print(
@@ -92,7 +95,9 @@ def load_extension(root=None):
     root = Path(root or Path(__file__).resolve().parents[1]) / "flash_attn4"
     so = sorted(root.glob("_C*.so"))
     if not so:
-        raise SystemExit(f"no flash_attn4/_C*.so under {root}: build first (python3 setup.py build_ext --inplace)")
+        raise SystemExit(
+            f"no flash_attn4/_C*.so under {root}: build first (python3 setup.py build_ext --inplace)"
+        )
     spec = importlib.util.spec_from_file_location("flash_attn4._C", so[0])
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -114,8 +119,14 @@ def main() -> int:
     ok = True
     for d in [] if args.bench_only else hdims:
         for causal in (False, True):
-            for b, sq, sk, hq, hk in ((2, 128, 128, 4, 4), (1, 1, 1, 2, 1), (2, 113, 203, 6, 2), (1, 239, 17, 4, 1),
-                                      (1, 1023, 1024, 4, 4), (3, 517, 4224, 2, 2)):
+            for b, sq, sk, hq, hk in (
+                (2, 128, 128, 4, 4),
+                (1, 1, 1, 2, 1),
+                (2, 113, 203, 6, 2),
+                (1, 239, 17, 4, 1),
+                (1, 1023, 1024, 4, 4),
+                (3, 517, 4224, 2, 2),
+            ):
                 ok &= check(_C, b, sq, sk, hq, hk, d, causal, torch.bfloat16)
         if any(n.startswith("fwd_sm90_fp16") for n in kernels):
             ok &= check(_C, 2, 300, 300, 4, 2, d, True, torch.float16)

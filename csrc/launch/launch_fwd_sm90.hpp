@@ -6,6 +6,8 @@
 
 #include <cutlass/numeric_types.h>
 
+#include <atomic>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -31,11 +33,17 @@ void run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   using Traits = FwdTraitsSm90<CutlassElement<kDType>, kHeadDim, tile.block_m, tile.block_n, tile.stages>;
   using Kernel = FwdKernelSm90<Traits, kCausal>;
   auto kernel = fwd_kernel_sm90<Kernel>;
-  // Beyond 48 KB a kernel must opt in to dynamic shared memory; the attribute is per function and
-  // sticky, so set it once.
-  static const cudaError_t attr_err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes);
-  check_cuda(attr_err, "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+  // Beyond 48 KB a kernel must opt in to dynamic shared memory. The attribute is sticky but belongs to
+  // the current device's context, so it is set once per device (bit d of a mask), not once per process.
+  static std::atomic<uint64_t> attr_set_on_device{0};
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  const uint64_t bit = uint64_t(1) << (device & 63);
+  if (!(attr_set_on_device.load(std::memory_order_relaxed) & bit)) {
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes),
+               "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+    attr_set_on_device.fetch_or(bit, std::memory_order_relaxed);
+  }
   const typename Kernel::Params params = Kernel::to_params(p);
   kernel<<<Kernel::grid(p), Kernel::kNumThreads, Kernel::kSmemBytes, stream>>>(params);
   check_cuda(cudaGetLastError(), "forward kernel launch");
