@@ -1,4 +1,4 @@
-// Run-time dispatch: (arch, dtype, head dim, causal) -> launcher.
+// Run-time dispatch: (direction, arch, dtype, head dim, causal) -> launcher.
 //
 // The table itself (kernel_table.cpp) is written by generate_kernels.py together with the
 // instantiations, so a pruned build (FLASH_ATTN4_HDIMS=128 ...) prunes the table at the same time and
@@ -35,8 +35,32 @@ inline const FwdKernelEntry* find_fwd_kernel(int arch, DType dtype, int head_dim
   return nullptr;
 }
 
+using BwdLauncher = void (*)(const BwdParams&, cudaStream_t);
+
+struct BwdKernelEntry {
+  int arch;
+  DType dtype;
+  int head_dim;
+  bool causal;
+  BwdLauncher launch;
+  const char* name;
+};
+
+extern const BwdKernelEntry kBwdKernels[];
+extern const int kNumBwdKernels;
+
+inline const BwdKernelEntry* find_bwd_kernel(int arch, DType dtype, int head_dim, bool causal) {
+  for (int i = 0; i < kNumBwdKernels; ++i) {
+    const BwdKernelEntry& e = kBwdKernels[i];
+    if (e.arch == arch && e.dtype == dtype && e.head_dim == head_dim && e.causal == causal) return &e;
+  }
+  return nullptr;
+}
+
 // Declared here, defined (and explicitly instantiated, one combination per .cu) in launch/.
 template <int Arch, DType kDType, int kHeadDim, bool kCausal>
 void run_fwd(const FwdParams& params, cudaStream_t stream);
+template <int Arch, DType kDType, int kHeadDim, bool kCausal>
+void run_bwd(const BwdParams& params, cudaStream_t stream);
 
 }  // namespace flash4

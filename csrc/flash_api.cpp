@@ -1,4 +1,4 @@
-// The only file that includes torch: argument checks, FwdParams from tensors, dispatch, Python binding.
+// The only file that includes torch: argument checks, Fwd/BwdParams from tensors, dispatch, Python binding.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
@@ -60,7 +60,8 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
   TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype && out.scalar_type() == dtype,
               "flash_attn4: q, k, v and out must share one dtype");
   TORCH_CHECK(lse.scalar_type() == at::kFloat, "flash_attn4: lse must be float32");
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "flash_attn4: q, k, v must be 4-D (batch, seqlen, heads, head_dim)");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
+              "flash_attn4: q, k, v must be 4-D (batch, seqlen, heads, head_dim)");
 
   const int64_t batch = q.size(0), seqlen_q = q.size(1), nheads_q = q.size(2), head_dim = q.size(3);
   const int64_t seqlen_k = k.size(1), nheads_kv = k.size(2);
@@ -121,9 +122,92 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
   entry->launch(p, at::cuda::getCurrentCUDAStream().stream());
 }
 
+// Gradients of fwd: writes dq (like q), dk and dv (like k and v; summed over each GQA group's query heads).
+// Uses fp32 scratch allocated here (dq_accum, D, lse in log2 units), rows padded to a multiple of 128.
+void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+         const at::Tensor& out, const at::Tensor& lse, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
+         double softmax_scale, bool causal) {
+  using TensorList = std::initializer_list<const at::Tensor*>;
+  for (const at::Tensor* t : TensorList{&dout, &q, &k, &v, &out, &lse, &dq, &dk, &dv}) {
+    TORCH_CHECK(t->is_cuda() && t->device() == q.device(), "flash_attn4: all tensors must be on q's CUDA device");
+  }
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf,
+              std::string("flash_attn4: q must be bfloat16 or float16, got ") + c10::toString(dtype));
+  for (const at::Tensor* t : TensorList{&dout, &k, &v, &out, &dq, &dk, &dv}) {
+    TORCH_CHECK(t->scalar_type() == dtype, "flash_attn4: q, k, v, out, dout, dq, dk and dv must share one dtype");
+  }
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4, "flash_attn4: q, k, v must be 4-D (batch, seqlen, heads, head_dim)");
+  const int64_t batch = q.size(0), seqlen_q = q.size(1), nheads_q = q.size(2), head_dim = q.size(3);
+  const int64_t seqlen_k = k.size(1), nheads_kv = k.size(2);
+  TORCH_CHECK(k.size(0) == batch && k.size(3) == head_dim && v.sizes() == k.sizes(),
+              "flash_attn4: k and v must be (batch, seqlen_k, nheads_kv, " + str(head_dim) + "), got " +
+                  str(k.sizes()) + " and " + str(v.sizes()));
+  TORCH_CHECK(nheads_kv > 0 && nheads_q % nheads_kv == 0, "flash_attn4: nheads_q (" + str(nheads_q) +
+                                                              ") must be a multiple of nheads_kv (" +
+                                                              str(nheads_kv) + ")");
+  TORCH_CHECK(out.sizes() == q.sizes() && dout.sizes() == q.sizes() && dq.sizes() == q.sizes(),
+              "flash_attn4: out, dout and dq must have q's shape " + str(q.sizes()));
+  TORCH_CHECK(dk.sizes() == k.sizes() && dv.sizes() == k.sizes(),
+              "flash_attn4: dk and dv must have k's shape " + str(k.sizes()));
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.dim() == 3 && lse.size(0) == batch &&
+                  lse.size(1) == nheads_q && lse.size(2) == seqlen_q,
+              "flash_attn4: lse must be the forward's contiguous float32 (batch, nheads_q, seqlen_q) tensor");
+  TORCH_CHECK(seqlen_q >= 1 && seqlen_k >= 1 && batch >= 1, "flash_attn4: empty inputs are handled in Python");
+  TORCH_CHECK(batch <= 65535 && nheads_kv <= 65535, "flash_attn4: batch and nheads_kv must be <= 65535");
+  check_tma_layout(q, "q");
+  check_tma_layout(k, "k");
+  check_tma_layout(v, "v");
+  check_tma_layout(dout, "dout");
+  // out, dq, dk, dv are read/written with plain vector accesses: a contiguous last dim, 16-byte rows.
+  check_tma_layout(out, "out");
+  check_tma_layout(dq, "dq");
+  check_tma_layout(dk, "dk");
+  check_tma_layout(dv, "dv");
+
+  const DType kdtype = dtype == at::kBFloat16 ? DType::kBF16 : DType::kFP16;
+  const int arch = device_arch(q);
+  const flash4::BwdKernelEntry* entry = flash4::find_bwd_kernel(arch == 90 ? 90 : 0, kdtype, int(head_dim), causal);
+  TORCH_CHECK(entry != nullptr, "flash_attn4: no compiled backward kernel for sm_" + str(arch) + ", " +
+                                    (kdtype == DType::kBF16 ? "bf16" : "fp16") + ", head_dim " + str(head_dim) +
+                                    ", causal=" + (causal ? "True" : "False"));
+
+  const c10::cuda::CUDAGuard guard(q.device());
+  const int64_t seqlen_q_rounded = (seqlen_q + 127) / 128 * 128;
+  auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor dq_accum = at::empty({batch, nheads_q, seqlen_q_rounded, head_dim}, f32);
+  at::Tensor dpsum = at::empty({batch, nheads_q, seqlen_q_rounded}, f32);
+  at::Tensor lse_log2 = at::empty({batch, nheads_q, seqlen_q_rounded}, f32);
+
+  flash4::BwdParams p;
+  p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr(), p.out = out.data_ptr(), p.dout = dout.data_ptr();
+  p.q_batch_stride = q.stride(0), p.q_row_stride = q.stride(1), p.q_head_stride = q.stride(2);
+  p.k_batch_stride = k.stride(0), p.k_row_stride = k.stride(1), p.k_head_stride = k.stride(2);
+  p.v_batch_stride = v.stride(0), p.v_row_stride = v.stride(1), p.v_head_stride = v.stride(2);
+  p.out_batch_stride = out.stride(0), p.out_row_stride = out.stride(1), p.out_head_stride = out.stride(2);
+  p.dout_batch_stride = dout.stride(0), p.dout_row_stride = dout.stride(1), p.dout_head_stride = dout.stride(2);
+  p.lse = lse.data_ptr<float>();
+  p.dq = dq.data_ptr(), p.dk = dk.data_ptr(), p.dv = dv.data_ptr();
+  p.dq_batch_stride = dq.stride(0), p.dq_row_stride = dq.stride(1), p.dq_head_stride = dq.stride(2);
+  p.dk_batch_stride = dk.stride(0), p.dk_row_stride = dk.stride(1), p.dk_head_stride = dk.stride(2);
+  p.dv_batch_stride = dv.stride(0), p.dv_row_stride = dv.stride(1), p.dv_head_stride = dv.stride(2);
+  p.dq_accum = dq_accum.data_ptr<float>();
+  p.dpsum = dpsum.data_ptr<float>();
+  p.lse_log2 = lse_log2.data_ptr<float>();
+  p.seqlen_q_rounded = int(seqlen_q_rounded);
+  p.batch = int(batch), p.seqlen_q = int(seqlen_q), p.seqlen_k = int(seqlen_k);
+  p.nheads_q = int(nheads_q), p.nheads_kv = int(nheads_kv), p.head_dim = int(head_dim);
+  p.softmax_scale = float(softmax_scale);
+  p.softmax_scale_log2 = float(softmax_scale * M_LOG2E);
+  p.causal = causal;
+  p.dtype = kdtype;
+  entry->launch(p, at::cuda::getCurrentCUDAStream().stream());
+}
+
 std::vector<std::string> compiled_kernels() {
   std::vector<std::string> names;
   for (int i = 0; i < flash4::kNumFwdKernels; ++i) names.emplace_back(flash4::kFwdKernels[i].name);
+  for (int i = 0; i < flash4::kNumBwdKernels; ++i) names.emplace_back(flash4::kBwdKernels[i].name);
   return names;
 }
 
@@ -133,5 +217,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "flash_attn4 CUDA kernels (use flash_attn4.attn, not this module directly)";
   m.def("fwd", &fwd, "Attention forward into preallocated out/lse", py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("out"), py::arg("lse"), py::arg("softmax_scale"), py::arg("causal"));
+  m.def("bwd", &bwd, "Attention backward into preallocated dq/dk/dv", py::arg("dout"), py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
+        py::arg("softmax_scale"), py::arg("causal"));
   m.def("compiled_kernels", &compiled_kernels, "Names of the kernel instantiations in this build");
 }

@@ -44,4 +44,44 @@ struct FwdParams {
   DType dtype = DType::kBF16;
 };
 
+struct BwdParams {
+  // Inputs, same conventions as FwdParams: (batch, seqlen, heads, head_dim), last dim contiguous, other
+  // strides multiples of 8 elements. dout and out are shaped like q.
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const void* out = nullptr;
+  const void* dout = nullptr;
+  int64_t q_batch_stride = 0, q_row_stride = 0, q_head_stride = 0;
+  int64_t k_batch_stride = 0, k_row_stride = 0, k_head_stride = 0;
+  int64_t v_batch_stride = 0, v_row_stride = 0, v_head_stride = 0;
+  int64_t out_batch_stride = 0, out_row_stride = 0, out_head_stride = 0;
+  int64_t dout_batch_stride = 0, dout_row_stride = 0, dout_head_stride = 0;
+  const float* lse = nullptr;  // (batch, nheads_q, seqlen_q), natural log, from the forward
+
+  // Outputs: dq like q, dk/dv like k/v (summed over the query heads of a GQA group).
+  void* dq = nullptr;
+  void* dk = nullptr;
+  void* dv = nullptr;
+  int64_t dq_batch_stride = 0, dq_row_stride = 0, dq_head_stride = 0;
+  int64_t dk_batch_stride = 0, dk_row_stride = 0, dk_head_stride = 0;
+  int64_t dv_batch_stride = 0, dv_row_stride = 0, dv_head_stride = 0;
+
+  // Scratch, contiguous, rows padded to seqlen_q_rounded (a multiple of the kernel's kBlockM):
+  //   dq_accum (batch, nheads_q, seqlen_q_rounded, head_dim) fp32, zeroed by the pre-pass;
+  //   dpsum    (batch, nheads_q, seqlen_q_rounded) fp32: D = rowsum(dout * out);
+  //   lse_log2 (batch, nheads_q, seqlen_q_rounded) fp32: lse * log2(e), +inf for rows that see no key and
+  //            for padding rows, so that exp2(s * scale_log2 - lse_log2) is 0 there instead of NaN.
+  float* dq_accum = nullptr;
+  float* dpsum = nullptr;
+  float* lse_log2 = nullptr;
+  int seqlen_q_rounded = 0;
+
+  int batch = 0, seqlen_q = 0, seqlen_k = 0, nheads_q = 0, nheads_kv = 0, head_dim = 0;
+  float softmax_scale = 0.f;
+  float softmax_scale_log2 = 0.f;
+  bool causal = false;
+  DType dtype = DType::kBF16;
+};
+
 }  // namespace flash4

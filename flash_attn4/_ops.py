@@ -122,6 +122,49 @@ def fwd_into(
         out.copy_(out_k[..., :d])
 
 
+def bwd_into(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    dq: Tensor,
+    dk: Tensor,
+    dv: Tensor,
+    softmax_scale: float,
+    causal: bool,
+) -> None:
+    """Run the compiled sm90 backward kernel, writing dq, dk and dv (dlse taken as zero).
+
+    Not yet reached from autograd: the `bwd` op keeps raising NotImplementedError on the kernel path until
+    tests/test_bwd_gpu.py has passed on an H200. Head dims: the built backward ones exactly (no padding).
+
+    Args:
+        dout, out: (batch, seqlen_q, nheads_q, headdim) like q; lse: the forward's (batch, nheads_q,
+            seqlen_q) float32. dq: like q, dk/dv: like k/v, contiguous; written.
+    """
+    ext, why = _build_info.load_extension()
+    if ext is None or not hasattr(ext, "bwd"):
+        raise RuntimeError(why or "this build of flash_attn4._C has no backward kernels")
+    for name, t, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        if t.shape != like.shape or t.dtype != like.dtype or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous {like.dtype} tensor of shape {tuple(like.shape)}")
+    ext.bwd(
+        _tma_ready(dout),
+        _tma_ready(q),
+        _tma_ready(k),
+        _tma_ready(v),
+        _tma_ready(out),
+        lse.contiguous(),
+        dq,
+        dk,
+        dv,
+        float(softmax_scale),
+        bool(causal),
+    )
+
+
 def _reference_fwd(
     q: Tensor,
     k: Tensor,

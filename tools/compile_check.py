@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
-"""Compiles one sm_90a forward instantiation with nvcc (no GPU needed) and reports registers/spills.
+"""Compiles one sm_90a forward and one backward instantiation with nvcc (no GPU needed) and reports
+registers and spills.
 
 CI runs this so that a kernel that no longer compiles fails CI even on a machine without a GPU.
-Exit status is non-zero on a compile error or on any local-memory spill.
+Exit status is non-zero on a compile error, or on a local-memory spill in the forward (the backward
+still spills a few bytes, see docs/perf_notes.md, so its spills are reported but not fatal yet).
 """
 
 from __future__ import annotations
@@ -22,6 +24,29 @@ import build_flags  # noqa: E402
 import generate_kernels  # noqa: E402
 
 
+def compile_one(nvcc: str, kernel: generate_kernels.Kernel, tmp: Path) -> tuple[bool, str]:
+    # The generated .cu includes "../launch/...", so it must sit one level under csrc/.
+    gen = ROOT / "csrc" / "instantiations_check"
+    gen.mkdir(exist_ok=True)
+    src = gen / f"{kernel.name}.cu"
+    src.write_text(kernel.source())
+    cmd = [
+        nvcc,
+        *build_flags.NVCC_FLAGS,
+        build_flags.GENCODE_SM90A,
+        *[f"-I{p}" for p in build_flags.include_dirs()],
+        "-Xptxas=-v",
+        "-c",
+        str(src),
+        "-o",
+        str(tmp / f"{kernel.name}.o"),
+    ]
+    print(f"[compile_check] {kernel.name}: {' '.join(cmd)}", flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    src.unlink()
+    return proc.returncode == 0, proc.stdout + proc.stderr
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--dtype", default="bf16", choices=generate_kernels.DTYPES)
@@ -30,42 +55,39 @@ def main() -> int:
     args = ap.parse_args()
 
     nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
-    kernel = generate_kernels.FwdKernel(90, args.dtype, args.hdim, args.causal)
+    kernels = [generate_kernels.Kernel("fwd", 90, args.dtype, args.hdim, args.causal)]
+    if args.hdim in generate_kernels.BWD_HDIMS:
+        kernels.append(generate_kernels.Kernel("bwd", 90, args.dtype, args.hdim, args.causal))
+    failed = False
     with tempfile.TemporaryDirectory() as tmp:
-        # The generated .cu includes "../launch/...", so it must sit one level under csrc/.
-        gen = ROOT / "csrc" / "instantiations_check"
-        gen.mkdir(exist_ok=True)
-        src = gen / f"{kernel.name}.cu"
-        src.write_text(kernel.source())
-        cmd = [
-            nvcc,
-            *build_flags.NVCC_FLAGS,
-            build_flags.GENCODE_SM90A,
-            *[f"-I{p}" for p in build_flags.include_dirs()],
-            "-Xptxas=-v",
-            "-c",
-            str(src),
-            "-o",
-            str(Path(tmp) / "kernel.o"),
-        ]
-        print(f"[compile_check] {kernel.name}: {' '.join(cmd)}", flush=True)
-        t0 = time.time()
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        shutil.rmtree(gen, ignore_errors=True)
-    out = proc.stdout + proc.stderr
-    if proc.returncode != 0:
-        print(out[-20000:])
-        print(f"[compile_check] FAILED ({time.time() - t0:.0f} s)")
-        return 1
-    for line in out.splitlines():
-        if re.search(r"registers|spill", line):
-            print(f"[compile_check] {line.strip()}")
-    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", out)]
-    if any(spills):
-        print("[compile_check] FAILED: the kernel spills to local memory")
-        return 1
-    print(f"[compile_check] OK ({time.time() - t0:.0f} s)")
-    return 0
+        for kernel in kernels:
+            t0 = time.time()
+            ok, out = compile_one(nvcc, kernel, Path(tmp))
+            if not ok:
+                print(out[-20000:])
+                print(f"[compile_check] {kernel.name} FAILED ({time.time() - t0:.0f} s)")
+                failed = True
+                continue
+            # ptxas reports one block per entry function: the name line, then properties, then registers.
+            entry = None
+            for line in out.splitlines():
+                m = re.search(r"Compiling entry function '(\S+)'", line)
+                if m:
+                    entry = m.group(1)
+                if re.search(r"registers|spill", line):
+                    print(f"[compile_check]   {line.strip()}")
+                spill = re.search(r"(\d+) bytes spill stores", line)
+                main_kernel = entry is not None and ("fwd_kernel_sm90" in entry or "bwd_kernel_sm90" in entry)
+                if spill and int(spill.group(1)) and main_kernel:
+                    if kernel.direction == "fwd":
+                        print(f"[compile_check] {kernel.name} FAILED: the forward kernel spills")
+                        failed = True
+                    else:
+                        print(f"[compile_check] note: {kernel.name} spills {spill.group(1)} bytes (known)")
+            print(f"[compile_check] {kernel.name} compiled ({time.time() - t0:.0f} s)")
+    shutil.rmtree(ROOT / "csrc" / "instantiations_check", ignore_errors=True)
+    print("[compile_check] FAILED" if failed else "[compile_check] OK")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -57,7 +57,8 @@ struct FwdTraitsSm90 {
       AtomLayoutMNK{}));
 
   using SmemLayoutQ =
-      decltype(tile_to_shape(gmma_smem_atom<Element, kHeadDim, GMMA::Major::K>(), Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+      decltype(tile_to_shape(gmma_smem_atom<Element, kHeadDim, GMMA::Major::K>(),
+                             Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   // O aliases Q's buffer with the same layout: a consumer warpgroup writes O rows only over its own Q
   // rows, after its own last Q K^T has completed, so the two warpgroups never race on these bytes.
   using SmemLayoutO = SmemLayoutQ;

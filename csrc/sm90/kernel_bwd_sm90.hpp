@@ -1,0 +1,387 @@
+// sm90 backward kernel (see kernel_traits_bwd_sm90.hpp for the math and the tiling).
+//
+// Warp roles as in the forward: warpgroup 0 produces (one thread issues TMA: K and V of the CTA's key
+// block once, then Q, dO, lse_log2 and D per query block into a two-stage pipeline), warpgroups 1 and 2
+// consume, 64 keys each. dK and dV stay in registers for the CTA's whole life (summed over the query heads
+// of the GQA group, so no cross-CTA reduction is needed for them); dQ leaves every step through fp32
+// atomics into dq_accum.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/numeric_conversion.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "../common/softmax.hpp"  // exp2_approx
+#include "../params.h"
+#include "kernel_traits_bwd_sm90.hpp"
+#include "utils_sm90.hpp"
+
+namespace flash4 {
+
+using namespace cute;
+
+// Named barrier id of the backward (id 0 is __syncthreads): both consumer warpgroups' dS writes to shared
+// memory happen before either's dQ GEMM reads them.
+constexpr int kBwdBarrierDs = 1;
+
+template <class Traits_, bool kCausal>
+struct BwdKernelSm90 {
+  using Traits = Traits_;
+  using Element = typename Traits::Element;
+  static constexpr int kBlockM = Traits::kBlockM;
+  static constexpr int kBlockN = Traits::kBlockN;
+  static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kNumThreads = Traits::kNumThreads;
+  static constexpr int kSmemBytes = Traits::kSmemBytes;
+  using SharedStorage = typename Traits::SharedStorage;
+
+  using ShapeT = Shape<int32_t, int32_t, int32_t, int32_t>;  // (seqlen, head_dim, heads, batch)
+  using StrideT = Stride<int64_t, _1, int64_t, int64_t>;
+  using ShapeRow = Shape<int32_t, int32_t, int32_t>;  // (seqlen_q_rounded, heads, batch)
+  using StrideRow = Stride<_1, int64_t, int64_t>;
+  using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
+  using TileK = Shape<Int<kBlockN>, Int<kHeadDim>>;
+  using TileRow = Shape<Int<kBlockM>>;
+
+  template <class Stride, class Shape_, class SmemLayout, class Tile, class T = Element>
+  using TmaLoad = decltype(make_tma_copy(SM90_TMA_LOAD{},
+                                         make_tensor(make_gmem_ptr(static_cast<T const*>(nullptr)), Shape_{},
+                                                     Stride{}),
+                                         SmemLayout{}, Tile{}, _1{}));
+  using TmaQ = TmaLoad<StrideT, ShapeT, decltype(take<0, 2>(typename Traits::SmemLayoutQ{})), TileQ>;
+  using TmaK = TmaLoad<StrideT, ShapeT, typename Traits::SmemLayoutK, TileK>;
+  using TmaRow = TmaLoad<StrideRow, ShapeRow, Layout<TileRow>, TileRow, float>;
+
+  struct Params {
+    TmaQ tma_q, tma_do;
+    TmaK tma_k, tma_v;
+    TmaRow tma_lse, tma_dpsum;
+    ShapeT shape_q, shape_k;
+    ShapeRow shape_row;
+    float* dq_accum;
+    void* dk;
+    void* dv;
+    int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
+    int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
+    int seqlen_q, seqlen_k, seqlen_q_rounded, nheads_q, head_ratio;
+    float scale_log2, softmax_scale;
+  };
+
+  static Params to_params(BwdParams const& p) {
+    auto ptr = [](const void* x) { return make_gmem_ptr(static_cast<Element const*>(x)); };
+    ShapeT shape_q = make_shape(p.seqlen_q, p.head_dim, p.nheads_q, p.batch);
+    ShapeT shape_k = make_shape(p.seqlen_k, p.head_dim, p.nheads_kv, p.batch);
+    ShapeRow shape_row = make_shape(p.seqlen_q_rounded, p.nheads_q, p.batch);
+    auto row_stride = make_stride(_1{}, int64_t(p.seqlen_q_rounded), int64_t(p.seqlen_q_rounded) * p.nheads_q);
+    Tensor mQ = make_tensor(ptr(p.q), shape_q, make_stride(p.q_row_stride, _1{}, p.q_head_stride, p.q_batch_stride));
+    Tensor mdO = make_tensor(ptr(p.dout), shape_q,
+                             make_stride(p.dout_row_stride, _1{}, p.dout_head_stride, p.dout_batch_stride));
+    Tensor mK = make_tensor(ptr(p.k), shape_k, make_stride(p.k_row_stride, _1{}, p.k_head_stride, p.k_batch_stride));
+    Tensor mV = make_tensor(ptr(p.v), shape_k, make_stride(p.v_row_stride, _1{}, p.v_head_stride, p.v_batch_stride));
+    Tensor mLse = make_tensor(make_gmem_ptr(static_cast<float const*>(p.lse_log2)), shape_row, row_stride);
+    Tensor mDpsum = make_tensor(make_gmem_ptr(static_cast<float const*>(p.dpsum)), shape_row, row_stride);
+    auto sQ = take<0, 2>(typename Traits::SmemLayoutQ{});
+    return {make_tma_copy(SM90_TMA_LOAD{}, mQ, sQ, TileQ{}, _1{}),
+            make_tma_copy(SM90_TMA_LOAD{}, mdO, sQ, TileQ{}, _1{}),
+            make_tma_copy(SM90_TMA_LOAD{}, mK, typename Traits::SmemLayoutK{}, TileK{}, _1{}),
+            make_tma_copy(SM90_TMA_LOAD{}, mV, typename Traits::SmemLayoutK{}, TileK{}, _1{}),
+            make_tma_copy(SM90_TMA_LOAD{}, mLse, Layout<TileRow>{}, TileRow{}, _1{}),
+            make_tma_copy(SM90_TMA_LOAD{}, mDpsum, Layout<TileRow>{}, TileRow{}, _1{}),
+            shape_q,
+            shape_k,
+            shape_row,
+            p.dq_accum,
+            p.dk,
+            p.dv,
+            p.dk_batch_stride,
+            p.dk_row_stride,
+            p.dk_head_stride,
+            p.dv_batch_stride,
+            p.dv_row_stride,
+            p.dv_head_stride,
+            p.seqlen_q,
+            p.seqlen_k,
+            p.seqlen_q_rounded,
+            p.nheads_q,
+            p.nheads_q / p.nheads_kv,
+            p.softmax_scale_log2,
+            p.softmax_scale};
+  }
+
+  static dim3 grid(BwdParams const& p) {
+    return dim3((p.seqlen_k + kBlockN - 1) / kBlockN, p.nheads_kv, p.batch);
+  }
+
+  // Query blocks [m_min, m_max) that see at least one key of key block n_block.
+  CUTE_DEVICE static void m_block_range(Params const& params, int n_block, int& m_min, int& m_max) {
+    m_max = (params.seqlen_q + kBlockM - 1) / kBlockM;
+    m_min = 0;
+    if constexpr (kCausal) {
+      // Query i sees key j iff j <= i + seqlen_k - seqlen_q; the block's first key is n_block * kBlockN.
+      m_min = cute::max(0, (n_block * kBlockN - params.seqlen_k + params.seqlen_q) / kBlockM);
+    }
+  }
+
+  CUTE_DEVICE void load(Params const& params, typename Traits::PipelineQdO& pipeline, SharedStorage& smem,
+                        int n_block, int bidh_kv, int bidb) const {
+    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutV{});
+    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutdO{});
+    Tensor sLse = make_tensor(make_smem_ptr(smem.lse_log2.data()), typename Traits::SmemLayoutRow{});
+    Tensor sDpsum = make_tensor(make_smem_ptr(smem.dpsum.data()), typename Traits::SmemLayoutRow{});
+
+    using BarrierT = cutlass::arch::ClusterTransactionBarrier::ValueType;
+    Tensor gK = local_tile(params.tma_k.get_tma_tensor(params.shape_k)(_, _, bidh_kv, bidb), TileK{},
+                           make_coord(n_block, _0{}));
+    Tensor gV = local_tile(params.tma_v.get_tma_tensor(params.shape_k)(_, _, bidh_kv, bidb), TileK{},
+                           make_coord(n_block, _0{}));
+    auto tK = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    auto tV = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+    smem.barrier_kv.arrive_and_expect_tx(Traits::kTmaBytesKV);
+    copy(params.tma_k.with(reinterpret_cast<BarrierT&>(smem.barrier_kv)), get<0>(tK), get<1>(tK));
+    copy(params.tma_v.with(reinterpret_cast<BarrierT&>(smem.barrier_kv)), get<0>(tV), get<1>(tV));
+
+    int m_min, m_max;
+    m_block_range(params, n_block, m_min, m_max);
+    auto state = cutlass::make_producer_start_state<typename Traits::PipelineQdO>();
+    for (int i = 0; i < params.head_ratio; ++i) {
+      const int bidh = bidh_kv * params.head_ratio + i;
+      Tensor gQ = local_tile(params.tma_q.get_tma_tensor(params.shape_q)(_, _, bidh, bidb), TileQ{},
+                             make_coord(_, _0{}));  // (M, D, m)
+      Tensor gdO = local_tile(params.tma_do.get_tma_tensor(params.shape_q)(_, _, bidh, bidb), TileQ{},
+                              make_coord(_, _0{}));
+      Tensor gLse = local_tile(params.tma_lse.get_tma_tensor(params.shape_row)(_, bidh, bidb), TileRow{},
+                               make_coord(_));  // (M, m)
+      Tensor gDpsum = local_tile(params.tma_dpsum.get_tma_tensor(params.shape_row)(_, bidh, bidb), TileRow{},
+                                 make_coord(_));
+      auto tQ = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+      auto tdO = tma_partition(params.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+      auto tLse = tma_partition(params.tma_lse, _0{}, Layout<_1>{}, group_modes<0, 1>(sLse), group_modes<0, 1>(gLse));
+      auto tDpsum =
+          tma_partition(params.tma_dpsum, _0{}, Layout<_1>{}, group_modes<0, 1>(sDpsum), group_modes<0, 1>(gDpsum));
+      for (int m_block = m_min; m_block < m_max; ++m_block) {
+        pipeline.producer_acquire(state);
+        BarrierT* bar = pipeline.producer_get_barrier(state);
+        const int s = state.index();
+        copy(params.tma_q.with(*bar), get<0>(tQ)(_, m_block), get<1>(tQ)(_, s));
+        copy(params.tma_do.with(*bar), get<0>(tdO)(_, m_block), get<1>(tdO)(_, s));
+        copy(params.tma_lse.with(*bar), get<0>(tLse)(_, m_block), get<1>(tLse)(_, s));
+        copy(params.tma_dpsum.with(*bar), get<0>(tDpsum)(_, m_block), get<1>(tDpsum)(_, s));
+        ++state;
+      }
+    }
+  }
+
+  template <class FragKV>
+  CUTE_DEVICE void mma(Params const& params, typename Traits::PipelineQdO& pipeline, SharedStorage& smem,
+                       FragKV& tdKrdK, FragKV& tdVrdV, int thread_idx, int n_block, int bidh_kv, int bidb) const {
+    const int warp_group = thread_idx / 128;
+    typename Traits::TiledMmaSdP mma_sdp;
+    typename Traits::TiledMmadKV mma_dkv;
+    typename Traits::TiledMmadQ mma_dq;
+    auto thr_sdp = mma_sdp.get_thread_slice(thread_idx);
+    auto thr_dkv = mma_dkv.get_thread_slice(thread_idx);
+    auto thr_dq = mma_dq.get_thread_slice(thread_idx);
+
+    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutV{});
+    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutdO{});
+    Tensor sQt = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQt{});
+    Tensor sdOt = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutdOt{});
+    Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKt{});
+    Tensor sdS = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutdS{});
+    Tensor sLse = make_tensor(make_smem_ptr(smem.lse_log2.data()), typename Traits::SmemLayoutRow{});
+    Tensor sDpsum = make_tensor(make_smem_ptr(smem.dpsum.data()), typename Traits::SmemLayoutRow{});
+
+    // S^T = K Q^T and dP^T = V dO^T: A = this warpgroup's 64 keys, B = the stage's queries.
+    Tensor tSrK = thr_sdp.partition_fragment_A(sK);
+    Tensor tSrV = thr_sdp.partition_fragment_A(sV);
+    Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);    // (MMA, N, K, stage)
+    Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);  // (MMA, N, K, stage)
+    // dV += P^T dO, dK += dS^T Q: B = dO^T / Q^T.
+    Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);  // (MMA, N, K, stage)
+    Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt);
+    // dQ = dS K; this warpgroup computes head_dim columns [w * D/2, (w + 1) * D/2).
+    Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);  // (MMA, M, K, buffer)
+    Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
+
+    using TileS = Shape<Int<kBlockN>, Int<kBlockM>>;
+    Tensor tSrS = partition_fragment_C(mma_sdp, TileS{});
+    Tensor tSrdP = partition_fragment_C(mma_sdp, TileS{});
+    Tensor tSrS_rc = make_tensor(tSrS.data(), acc_rowcol_layout(tSrS.layout()));
+    Tensor tSrdP_rc = make_tensor(tSrdP.data(), acc_rowcol_layout(tSrdP.layout()));
+    Tensor tScS = thr_sdp.partition_C(make_identity_tensor(TileS{}));  // (key, query) in the tile
+    Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol_layout(tScS.layout()));
+    Tensor tPrP_acc = make_tensor<Element>(tSrS.layout());
+    Tensor tPrP = make_tensor(tPrP_acc.data(), acc_as_a_operand_layout(tSrS.layout()));
+    Tensor tdSrdS_acc = make_tensor<Element>(tSrS.layout());
+    Tensor tdSrdS = make_tensor(tdSrdS_acc.data(), acc_as_a_operand_layout(tSrS.layout()));
+    Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    int step = 0;
+
+    clear(tdKrdK);
+    clear(tdVrdV);
+    smem.barrier_kv.wait(0);
+
+    int m_min, m_max;
+    m_block_range(params, n_block, m_min, m_max);
+    const int seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k;
+    typename Traits::PipelineState read;
+    for (int i = 0; i < params.head_ratio; ++i) {
+      const int bidh = bidh_kv * params.head_ratio + i;
+      float* dq_accum = params.dq_accum + (int64_t(bidb) * params.nheads_q + bidh) * params.seqlen_q_rounded * kHeadDim;
+      for (int m_block = m_min; m_block < m_max; ++m_block) {
+        const int s = read.index();
+        pipeline.consumer_wait(read);
+        warpgroup_gemm</*zero_init=*/true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, s), tSrS);
+        warpgroup_gemm<true, -1>(mma_sdp, tSrV, tSrdO(_, _, _, s), tSrdP);
+        warpgroup_wait<1>();
+        warpgroup_fence_operand(tSrS);
+
+        // P^T = exp2(S^T * scale_log2 - lse_log2[q]); masked entries are 0. Rows of Q past seqlen_q have
+        // lse_log2 = +inf (pre-pass), so they give 0 without a mask.
+        const int key0 = n_block * kBlockN, query0 = m_block * kBlockM;
+        const bool need_mask = key0 + kBlockN > seqlen_k ||
+                               (kCausal && key0 + kBlockN - 1 > query0 + seqlen_k - seqlen_q);
+#pragma unroll
+        for (int r = 0; r < size<0>(tSrS_rc); ++r) {
+#pragma unroll
+          for (int c = 0; c < size<1>(tSrS_rc); ++c) {
+            tSrS_rc(r, c) = exp2_approx(fmaf(tSrS_rc(r, c), params.scale_log2, -sLse(get<1>(tScS_rc(r, c)), s)));
+          }
+        }
+        // Masking is a separate pass that only the boundary blocks take, so the common path carries no
+        // index arithmetic (it was what pushed the causal kernel into spilling).
+        if (need_mask) {
+#pragma unroll
+          for (int r = 0; r < size<0>(tSrS_rc); ++r) {
+            const int key = key0 + get<0>(tScS_rc(r, 0));
+#pragma unroll
+            for (int c = 0; c < size<1>(tSrS_rc); ++c) {
+              const int query = query0 + get<1>(tScS_rc(r, c));
+              if (key >= seqlen_k || (kCausal && key > query + seqlen_k - seqlen_q)) tSrS_rc(r, c) = 0.f;
+            }
+          }
+        }
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tSrdP);
+        // dS^T = P^T * (dP^T - D[q])
+#pragma unroll
+        for (int r = 0; r < size<0>(tSrdP_rc); ++r) {
+#pragma unroll
+          for (int c = 0; c < size<1>(tSrdP_rc); ++c) {
+            tSrdP_rc(r, c) = tSrS_rc(r, c) * (tSrdP_rc(r, c) - sDpsum(get<1>(tScS_rc(r, c)), s));
+          }
+        }
+        convert_fragment(tSrS, tPrP_acc);
+        convert_fragment(tSrdP, tdSrdS_acc);
+        warpgroup_gemm<false, -1>(mma_dkv, tPrP, tdVrdOt(_, _, _, s), tdVrdV);
+        warpgroup_gemm<false, -1>(mma_dkv, tdSrdS, tdKrQt(_, _, _, s), tdKrdK);
+
+        // dS (queries x keys) to shared memory for the dQ GEMM. Buffer `step % 2`: the other warpgroup may
+        // still be reading the previous step's buffer, but it passed this step's barrier only after its
+        // dQ GEMM of two steps ago retired, so this buffer is free.
+        const int buf = step & 1;
+#pragma unroll
+        for (int r = 0; r < size<0>(tSrdP_rc); ++r) {
+#pragma unroll
+          for (int c = 0; c < size<1>(tSrdP_rc); ++c) {
+            sdS(get<1>(tScS_rc(r, c)), get<0>(tScS_rc(r, c)), buf) = Element(tSrdP_rc(r, c));
+          }
+        }
+        cutlass::arch::fence_view_async_shared();
+        named_barrier_sync(Traits::kNumMmaThreads, kBwdBarrierDs);
+        warpgroup_gemm<true, -1>(mma_dq, tdQrdS(_, _, _, buf), tdQrKt, tdQrdQ);
+        warpgroup_wait<0>();  // dV, dK and dQ GEMMs retired
+        warpgroup_fence_operand(tdVrdV);
+        warpgroup_fence_operand(tdKrdK);
+        warpgroup_fence_operand(tdQrdQ);
+        // The stage's Q, dO, lse and D have been read by every GEMM that needs them.
+        if (thread_idx % 128 == 0) pipeline.consumer_release(read);
+        ++read;
+        ++step;
+        float* dq_block = dq_accum + int64_t(query0) * kHeadDim;
+#pragma unroll
+        for (int e = 0; e < size(tdQrdQ); ++e) {
+          atomicAdd(dq_block + get<0>(tdQcdQ(e)) * kHeadDim + get<1>(tdQcdQ(e)), tdQrdQ(e));
+        }
+      }
+    }
+  }
+
+  // dK (scaled by softmax_scale: S = scale * Q K^T) and dV to global memory, rows past seqlen_k skipped.
+  template <class FragKV>
+  CUTE_DEVICE void store(Params const& params, FragKV const& tdKrdK, FragKV const& tdVrdV, int thread_idx,
+                         int n_block, int bidh_kv, int bidb) const {
+    typename Traits::TiledMmadKV mma_dkv;
+    auto thr_dkv = mma_dkv.get_thread_slice(thread_idx);
+    Tensor tdKVcdKV = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+    auto write = [&](FragKV const& acc, void* base, int64_t batch_stride, int64_t row_stride, int64_t head_stride,
+                     float scale) {
+      Element* out = static_cast<Element*>(base) + bidb * batch_stride + bidh_kv * head_stride;
+      // Consecutive accumulator elements 2i, 2i+1 hold adjacent columns of one row.
+#pragma unroll
+      for (int e = 0; e < size(acc); e += 2) {
+        const int row = n_block * kBlockN + get<0>(tdKVcdKV(e));
+        if (row < params.seqlen_k) {
+          cutlass::Array<float, 2> f;
+          f[0] = acc(e) * scale;
+          f[1] = acc(e + 1) * scale;
+          *reinterpret_cast<cutlass::Array<Element, 2>*>(out + row * row_stride + get<1>(tdKVcdKV(e))) =
+              cutlass::NumericArrayConverter<Element, float, 2>{}(f);
+        }
+      }
+    };
+    write(tdKrdK, params.dk, params.dk_batch_stride, params.dk_row_stride, params.dk_head_stride,
+          params.softmax_scale);
+    write(tdVrdV, params.dv, params.dv_batch_stride, params.dv_row_stride, params.dv_head_stride, 1.f);
+  }
+
+  CUTE_DEVICE void operator()(Params const& params, char* smem_buf) const {
+    using namespace cutlass;
+    SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_buf);
+    const int warp_group = canonical_warp_group_idx();
+    const int warp_idx = canonical_warp_idx_sync();
+    if (warp_idx == 0 && cute::elect_one_sync()) {
+      smem.barrier_kv.init(/*arrive_count=*/1);
+    }
+    typename Traits::PipelineQdO::Params pipe_params;
+    pipe_params.transaction_bytes = Traits::kTmaBytesQdO;
+    pipe_params.role = warp_group == 0 ? Traits::PipelineQdO::ThreadCategory::Producer
+                                       : Traits::PipelineQdO::ThreadCategory::Consumer;
+    pipe_params.is_leader = threadIdx.x == 0;
+    pipe_params.num_consumers = Traits::kNumMmaWarpGroups;  // one release per warpgroup
+    typename Traits::PipelineQdO pipeline(smem.pipeline_qdo, pipe_params, Shape<_1, _1, _1>{});
+    __syncthreads();
+
+    const int n_block = blockIdx.x, bidh_kv = blockIdx.y, bidb = blockIdx.z;
+    if (warp_group == 0) {
+      arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
+      if (threadIdx.x == 0) load(params, pipeline, smem, n_block, bidh_kv, bidb);
+    } else {
+      arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
+      const int thread_idx = int(threadIdx.x) - 128;
+      typename Traits::TiledMmadKV mma_dkv;
+      Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+      Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+      mma(params, pipeline, smem, tdKrdK, tdVrdV, thread_idx, n_block, bidh_kv, bidb);
+      store(params, tdKrdK, tdVrdV, thread_idx, n_block, bidh_kv, bidb);
+    }
+  }
+};
+
+template <class Kernel>
+__global__ void __launch_bounds__(Kernel::kNumThreads, 1)
+    bwd_kernel_sm90(CUTE_GRID_CONSTANT typename Kernel::Params const params) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ char smem[];
+  Kernel{}(params, smem);
+#endif
+}
+
+}  // namespace flash4

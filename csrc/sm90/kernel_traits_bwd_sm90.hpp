@@ -1,0 +1,99 @@
+// Compile-time configuration of the sm90 backward kernel.
+//
+// One CTA owns kBlockN = 128 keys of one kv head (64 per consumer warpgroup: one WGMMA M-atom) and loops
+// over the query heads of its GQA group and over query blocks of kBlockM = 64 rows. Per query block each
+// consumer warpgroup computes, for its 64 keys k and the block's 64 queries q:
+//   S^T  = K_k Q_q^T            (SS)      P^T  = exp2(S^T * scale_log2 - lse_log2[q])
+//   dP^T = V_k dO_q^T           (SS)      dS^T = P^T * (dP^T - D[q])
+//   dV_k += P^T dO_q            (RS: P^T stays in registers, dO read through an MN-major view)
+//   dK_k += dS^T Q_q            (RS)
+// and then, with both warpgroups' dS in shared memory, dQ_q += dS_q K (SS, the warpgroups split head_dim),
+// added to an fp32 buffer with atomics; the post-pass scales and converts it.
+// Working in the transposed (keys x queries) orientation puts P^T and dS^T in the accumulator layout
+// that the RS GEMMs for dV and dK take as their A operand, so neither needs a shared-memory round trip.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "kernel_traits_fwd_sm90.hpp"  // gmma_smem_atom
+
+namespace flash4 {
+
+using namespace cute;
+
+template <class Element_, int kHeadDim_, int kStages_>
+struct BwdTraitsSm90 {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = 64;   // queries per step
+  static constexpr int kBlockN = 128;  // keys per CTA
+  static constexpr int kStages = kStages_;
+  // dK and dV accumulators (64 x head_dim fp32 each per warpgroup) must fit beside S^T, dP^T and dQ.
+  static_assert(kHeadDim <= 128, "the sm90 backward handles head_dim <= 128 so far");
+
+  static constexpr int kNumMmaWarpGroups = 2;
+  static constexpr int kNumMmaThreads = kNumMmaWarpGroups * 128;
+  static constexpr int kNumThreads = kNumMmaThreads + 128;
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+
+  using AtomLayoutKeys = Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>;  // warpgroup w owns keys [64w, 64w+64)
+  // S^T and dP^T: (keys, queries, head_dim).
+  using TiledMmaSdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockM>, Int<kHeadDim>>>(), AtomLayoutKeys{}));
+  // dV and dK: (keys, head_dim, queries), A from registers, B = dO^T / Q^T (MN-major views).
+  using TiledMmadKV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockM>>, GMMA::Major::K,
+                           GMMA::Major::MN>(),
+      AtomLayoutKeys{}));
+  // dQ = dS K: (queries, head_dim, keys). The two warpgroups split head_dim (each a 64 x head_dim/2
+  // accumulator: 32 registers at hdim 128 instead of 64 for a split over keys) and both read all 128 keys
+  // of dS, so dS goes through shared memory from both warpgroups. A = dS with queries contiguous, B = K^T.
+  using TiledMmadQ = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kHeadDim / 2>, Int<kBlockN>>,
+                           GMMA::Major::MN, GMMA::Major::MN>(),
+      Layout<Shape<_1, Int<kNumMmaWarpGroups>, _1>>{}));
+
+  using SmemLayoutK = decltype(tile_to_shape(gmma_smem_atom<Element, kHeadDim, GMMA::Major::K>(),
+                                             Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  using SmemLayoutV = SmemLayoutK;
+  using SmemLayoutQ = decltype(tile_to_shape(gmma_smem_atom<Element, kHeadDim, GMMA::Major::K>(),
+                                             Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutdO = SmemLayoutQ;
+  // The same bytes seen transposed, (head_dim, rows[, stage]), as MN-major GMMA operands.
+  using SmemLayoutQt = decltype(composition(
+      SmemLayoutQ{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{},
+                                 Stride<Int<kBlockM>, _1, Int<kBlockM * kHeadDim>>{})));
+  using SmemLayoutdOt = SmemLayoutQt;
+  using SmemLayoutKt = decltype(composition(
+      SmemLayoutK{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{})));
+  // dS: (queries, keys, buffer) with queries contiguous (the dQ GEMM's MN-major A operand). Double
+  // buffered: step m+1 writes one buffer while the other warpgroup may still be reading step m's.
+  using SmemLayoutdS = decltype(tile_to_shape(gmma_smem_atom<Element, kBlockM, GMMA::Major::MN>(),
+                                              Shape<Int<kBlockM>, Int<kBlockN>, _2>{}));
+  using SmemLayoutRow = Layout<Shape<Int<kBlockM>, Int<kStages>>>;  // lse_log2 and D per stage
+
+  using PipelineQdO = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineState = typename PipelineQdO::PipelineState;
+
+  static constexpr uint32_t kTmaBytesKV = 2 * kBlockN * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kTmaBytesQdO = 2 * kBlockM * kHeadDim * sizeof(Element) + 2 * kBlockM * sizeof(float);
+
+  struct SharedStorage {
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutV>> v;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdO>> dout;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdS>> ds;
+    alignas(16) cute::array_aligned<float, cosize_v<SmemLayoutRow>> lse_log2;
+    alignas(16) cute::array_aligned<float, cosize_v<SmemLayoutRow>> dpsum;
+    alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_kv;
+    typename PipelineQdO::SharedStorage pipeline_qdo;
+  };
+  static constexpr int kSmemBytes = sizeof(SharedStorage);
+  static_assert(kSmemBytes <= 227 * 1024, "tile does not fit in shared memory");
+};
+
+}  // namespace flash4

@@ -1,0 +1,129 @@
+"""`python -m flash_attn4`: what is installed, what was compiled, which path a call takes, and a self-test.
+
+python -m flash_attn4                       # report + self-test
+python -m flash_attn4 --shape 2,4096,16,4,128 --dtype bf16 --causal   # which path this call takes
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import platform
+import sys
+import warnings
+
+import torch
+
+import flash_attn4
+from flash_attn4 import _build_info, _ops
+from flash_attn4.reference import attention_ref
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _section(title: str) -> None:
+    print(f"\n== {title}")
+
+
+def report_environment() -> None:
+    _section("versions")
+    print(f"flash_attn4 {flash_attn4.__version__} ({flash_attn4.__file__})")
+    print(f"python {platform.python_version()}, torch {torch.__version__}, torch CUDA {torch.version.cuda}")
+    _section("build")
+    if _build_info.BUILT:
+        print(
+            f"CUDA kernels compiled for {_build_info.ARCHS}, dtypes {_build_info.DTYPES}, "
+            f"head dims {_build_info.HDIMS}, against torch {_build_info.TORCH_VERSION}"
+        )
+    else:
+        print(f"no CUDA kernels: {_build_info.REASON}")
+    ext, why = _build_info.load_extension()
+    if ext is not None:
+        names = ext.compiled_kernels()
+        print(f"flash_attn4._C imports; {len(names)} kernel instantiations:")
+        for name in names:
+            print(f"  {name}")
+    elif _build_info.BUILT:
+        print(f"flash_attn4._C does not import: {why}")
+    _section("GPUs")
+    if not torch.cuda.is_available():
+        print("no CUDA device visible: every call runs on the PyTorch reference")
+    for i in range(torch.cuda.device_count()):
+        major, minor = torch.cuda.get_device_capability(i)
+        print(f"cuda:{i} {torch.cuda.get_device_name(i)} sm{major}{minor}")
+
+
+def explain_path(shape: tuple[int, ...], dtype: torch.dtype, causal: bool) -> None:
+    b, sq, hq, hk, d = shape
+    _section(f"path for q ({b}, {sq}, {hq}, {d}), k/v ({b}, ?, {hk}, {d}), {dtype}, causal={causal}")
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    ok, why = _build_info.kernel_available(device, dtype, d)
+    if ok:
+        padded = _build_info.padded_hdim(d)
+        pad = f" (head dim zero-padded to {padded})" if padded != d else ""
+        print(f"forward: the sm90 CUDA kernel on {device}{pad}")
+    else:
+        print(f"forward: the PyTorch reference on {device}, because {why}")
+
+
+def _self_test_case(device: torch.device, dtype: torch.dtype, causal: bool) -> tuple[bool, str]:
+    torch.manual_seed(0)
+    b, sq, sk, hq, hk, d = 2, 113, 203, 4, 2, 64
+    q = torch.randn(b, sq, hq, d, device=device, dtype=dtype)
+    k, v = (torch.randn(b, sk, hk, d, device=device, dtype=dtype) for _ in range(2))
+    scale = 1 / math.sqrt(d)
+    out, lse = flash_attn4.attn(q, k, v, causal=causal, return_lse=True)
+    # An independent float64 softmax(QK^T)V, not the package's reference, so the reference is tested too.
+    q64, k64, v64 = (t.double().transpose(1, 2) for t in (q, k, v))
+    k64, v64 = (t.repeat_interleave(hq // hk, dim=1) for t in (k64, v64))
+    s = q64 @ k64.transpose(-1, -2) * scale
+    if causal:
+        i = torch.arange(sq, device=device)[:, None]
+        j = torch.arange(sk, device=device)[None, :]
+        s = s.masked_fill(j > i + sk - sq, -math.inf)
+    want_lse = torch.logsumexp(s, -1)
+    want = (torch.softmax(s, -1).nan_to_num(0.0) @ v64).transpose(1, 2)
+    err = (out.double() - want).abs().max().item()
+    lse_err = (lse.double() - want_lse).abs().max().item()
+    # Twice the error of the same math in the input dtype, plus rounding, as in the test-suite.
+    lp, _ = attention_ref(q, k, v, causal=causal, upcast=False)
+    bound = 2 * (lp.double() - want).abs().max().item() + 1e-4
+    ok = bool(math.isfinite(err)) and err <= bound and lse_err < 1e-2
+    return ok, f"max|out err| {err:.2e} (bound {bound:.2e}), max|lse err| {lse_err:.2e}"
+
+
+def self_test() -> bool:
+    _section("self-test (against an independent float64 softmax(QK^T)V)")
+    cases = [(torch.device("cpu"), torch.float32)]
+    if torch.cuda.is_available():
+        cases += [(torch.device("cuda"), torch.bfloat16), (torch.device("cuda"), torch.float16)]
+    all_ok = True
+    for device, dtype in cases:
+        path = "kernel" if _build_info.kernel_available(device, dtype, 64)[0] else "reference"
+        for causal in (False, True):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", _ops.ReferenceFallbackWarning)
+                ok, detail = _self_test_case(device, dtype, causal)
+            all_ok &= ok
+            print(f"{'PASS' if ok else 'FAIL'} {device.type} {dtype} causal={causal} [{path}]: {detail}")
+    print(f"\nself-test: {'PASS' if all_ok else 'FAIL'}")
+    return all_ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m flash_attn4", description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", help="b,seqlen_q,nheads_q,nheads_kv,headdim: say which path such a call takes")
+    ap.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--no-self-test", action="store_true")
+    args = ap.parse_args(argv)
+    report_environment()
+    shape = tuple(int(x) for x in args.shape.split(",")) if args.shape else (2, 4096, 16, 16, 128)
+    if len(shape) != 5:
+        ap.error("--shape takes five integers: b,seqlen_q,nheads_q,nheads_kv,headdim")
+    explain_path(shape, _DTYPES[args.dtype], args.causal)
+    return 0 if args.no_self_test or self_test() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
