@@ -25,7 +25,7 @@ from flash_attn4 import _build_info, _ops
 from flash_attn4.reference import attention_bwd_ref, attention_ref
 
 DEVICE = torch.device("cuda")
-BWD_HDIMS = [h for h in (64, 128) if h in _build_info.HDIMS] or [64, 128]
+BWD_HDIMS = [h for h in (64, 96, 128) if h in _build_info.HDIMS] or [64, 96, 128]
 DTYPES = [{"bf16": torch.bfloat16, "fp16": torch.float16}[n] for n in _build_info.DTYPES] or [
     torch.bfloat16,
     torch.float16,

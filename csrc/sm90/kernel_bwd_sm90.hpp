@@ -52,11 +52,13 @@ struct BwdKernelSm90 {
                                          SmemLayout{}, Tile{}, _1{}));
   using TmaQ = TmaLoad<StrideT, ShapeT, decltype(take<0, 2>(typename Traits::SmemLayoutQ{})), TileQ>;
   using TmaK = TmaLoad<StrideT, ShapeT, typename Traits::SmemLayoutK, TileK>;
+  using TmaV = TmaLoad<StrideT, ShapeT, typename Traits::SmemLayoutV, TileK>;
   using TmaRow = TmaLoad<StrideRow, ShapeRow, Layout<TileRow>, TileRow, float>;
 
   struct Params {
     TmaQ tma_q, tma_do;
-    TmaK tma_k, tma_v;
+    TmaK tma_k;
+    TmaV tma_v;
     TmaRow tma_lse, tma_dpsum;
     ShapeT shape_q, shape_k;
     ShapeRow shape_row;
@@ -86,7 +88,7 @@ struct BwdKernelSm90 {
     return {make_tma_copy(SM90_TMA_LOAD{}, mQ, sQ, TileQ{}, _1{}),
             make_tma_copy(SM90_TMA_LOAD{}, mdO, sQ, TileQ{}, _1{}),
             make_tma_copy(SM90_TMA_LOAD{}, mK, typename Traits::SmemLayoutK{}, TileK{}, _1{}),
-            make_tma_copy(SM90_TMA_LOAD{}, mV, typename Traits::SmemLayoutK{}, TileK{}, _1{}),
+            make_tma_copy(SM90_TMA_LOAD{}, mV, typename Traits::SmemLayoutV{}, TileK{}, _1{}),
             make_tma_copy(SM90_TMA_LOAD{}, mLse, Layout<TileRow>{}, TileRow{}, _1{}),
             make_tma_copy(SM90_TMA_LOAD{}, mDpsum, Layout<TileRow>{}, TileRow{}, _1{}),
             shape_q,
@@ -178,7 +180,6 @@ struct BwdKernelSm90 {
   template <class FragKV>
   CUTE_DEVICE void mma(Params const& params, typename Traits::PipelineQdO& pipeline, SharedStorage& smem,
                        FragKV& tdKrdK, FragKV& tdVrdV, int thread_idx, int n_block, int bidh_kv, int bidb) const {
-    const int warp_group = thread_idx / 128;
     typename Traits::TiledMmaSdP mma_sdp;
     typename Traits::TiledMmadKV mma_dkv;
     typename Traits::TiledMmadQ mma_dq;
@@ -285,14 +286,13 @@ struct BwdKernelSm90 {
 
         // dS (queries x keys) to shared memory for the dQ GEMM. Buffer `step % 2`: the other warpgroup may
         // still be reading the previous step's buffer, but it passed this step's barrier only after its
-        // dQ GEMM of two steps ago retired, so this buffer is free.
+        // dQ GEMM of two steps ago retired, so this buffer is free. Accumulator elements 2i and 2i+1 are
+        // queries q, q+1 (q even) of one key, adjacent in the query-contiguous buffer: one 32-bit store.
         const int buf = step & 1;
 #pragma unroll
-        for (int r = 0; r < size<0>(tSrdP_rc); ++r) {
-#pragma unroll
-          for (int c = 0; c < size<1>(tSrdP_rc); ++c) {
-            sdS(get<1>(tScS_rc(r, c)), get<0>(tScS_rc(r, c)), buf) = Element(tSrdP_rc(r, c));
-          }
+        for (int e = 0; e < size(tdSrdS_acc); e += 2) {
+          Element* dst = &sdS(get<1>(tScS(e)), get<0>(tScS(e)), buf);
+          *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(&tdSrdS_acc(e));
         }
         cutlass::arch::fence_view_async_shared();
         named_barrier_sync(Traits::kNumMmaThreads, kBwdBarrierDs);
@@ -306,9 +306,11 @@ struct BwdKernelSm90 {
         ++read;
         ++step;
         float* dq_block = dq_accum + int64_t(query0) * kHeadDim;
+        // Elements 2i and 2i+1 are adjacent columns (even first) of one row: 8-byte float2 atomics (sm_90).
 #pragma unroll
-        for (int e = 0; e < size(tdQrdQ); ++e) {
-          atomicAdd(dq_block + get<0>(tdQcdQ(e)) * kHeadDim + get<1>(tdQcdQ(e)), tdQrdQ(e));
+        for (int e = 0; e < size(tdQrdQ); e += 2) {
+          float* dst = dq_block + get<0>(tdQcdQ(e)) * kHeadDim + get<1>(tdQcdQ(e));
+          atomicAdd(reinterpret_cast<float2*>(dst), make_float2(tdQrdQ(e), tdQrdQ(e + 1)));
         }
       }
     }

@@ -56,9 +56,14 @@ struct BwdTraitsSm90 {
                            GMMA::Major::MN, GMMA::Major::MN>(),
       Layout<Shape<_1, Int<kNumMmaWarpGroups>, _1>>{}));
 
-  using SmemLayoutK = decltype(tile_to_shape(gmma_smem_atom<Element, kHeadDim, GMMA::Major::K>(),
+  // K's swizzle atom is sized by the per-warpgroup dQ width (head_dim / 2), not by head_dim: each warpgroup's
+  // slice of the K^T view (the dQ GEMM's B operand) must start on an atom boundary to be a canonical GMMA
+  // layout (at hdim 96 a 48-column slice of 32-wide SW64 atoms is not). V is not split, so it keeps the
+  // widest atom and the largest TMA boxes.
+  using SmemLayoutK = decltype(tile_to_shape(gmma_smem_atom<Element, kHeadDim / 2, GMMA::Major::K>(),
                                              Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  using SmemLayoutV = SmemLayoutK;
+  using SmemLayoutV = decltype(tile_to_shape(gmma_smem_atom<Element, kHeadDim, GMMA::Major::K>(),
+                                             Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   using SmemLayoutQ = decltype(tile_to_shape(gmma_smem_atom<Element, kHeadDim, GMMA::Major::K>(),
                                              Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
   using SmemLayoutdO = SmemLayoutQ;
@@ -87,8 +92,8 @@ struct BwdTraitsSm90 {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdO>> dout;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdS>> ds;
-    alignas(16) cute::array_aligned<float, cosize_v<SmemLayoutRow>> lse_log2;
-    alignas(16) cute::array_aligned<float, cosize_v<SmemLayoutRow>> dpsum;
+    alignas(128) cute::array_aligned<float, cosize_v<SmemLayoutRow>> lse_log2;  // TMA destinations: 128 B
+    alignas(128) cute::array_aligned<float, cosize_v<SmemLayoutRow>> dpsum;
     alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_kv;
     typename PipelineQdO::SharedStorage pipeline_qdo;
   };
