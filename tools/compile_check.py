@@ -78,7 +78,7 @@ def main() -> int:
                 spill = re.search(r"(\d+) bytes spill stores", line)
                 main_kernel = entry is not None and ("fwd_kernel_sm90" in entry or "bwd_kernel_sm90" in entry)
                 if spill and int(spill.group(1)) and main_kernel:
-                    print(f"[compile_check] {kernel.name} FAILED: spills {spill.group(1)} bytes to local memory")
+                    print(f"[compile_check] {kernel.name} FAILED: spills {spill.group(1)} bytes")
                     failed = True
             print(f"[compile_check] {kernel.name} compiled ({time.time() - t0:.0f} s)")
     shutil.rmtree(ROOT / "csrc" / "instantiations_check", ignore_errors=True)
