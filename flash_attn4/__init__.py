@@ -7,8 +7,8 @@ headdim).
 
 from flash_attn4 import reference
 from flash_attn4._build_info import is_built
-from flash_attn4.interface import attn
+from flash_attn4.interface import attn, attn_varlen
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "attn", "is_built", "reference"]
+__all__ = ["__version__", "attn", "attn_varlen", "is_built", "reference"]

@@ -283,3 +283,113 @@ def _backward(ctx, dout: Optional[Tensor], dlse: Optional[Tensor]):
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# Variable-length (packed) batches. No CUDA kernel serves these yet (the varlen issue adds one): every call
+# runs reference.attention_varlen_ref, which reads cu_seqlens on the host.
+_VARLEN_NO_KERNEL = (
+    "variable-length attention has no CUDA kernel yet; attn_varlen runs on the PyTorch reference "
+    "(per-sequence loop, host sync on cu_seqlens)"
+)
+
+
+@torch.library.custom_op("flash_attn4::fwd_varlen", mutates_args=())
+def fwd_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    seqused_q: Optional[Tensor],
+    seqused_k: Optional[Tensor],
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+) -> tuple[Tensor, Tensor]:
+    """Varlen forward. q (total_q, hq, d), k/v (total_k, hk, d) -> out like q, lse (hq, total_q)."""
+    if q.is_cuda:
+        _warn_once(_VARLEN_NO_KERNEL)
+    out, lse = reference.attention_varlen_ref(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        seqused_q=seqused_q,
+        seqused_k=seqused_k,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        window_size=(window_left, window_right),
+        softcap=softcap,
+    )
+    return out.contiguous(), lse.contiguous()
+
+
+@fwd_varlen.register_fake
+def _fwd_varlen_fake(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, softmax_scale, causal, wl, wr, softcap
+):
+    total_q, hq, d = q.shape
+    return q.new_empty(total_q, hq, d), torch.empty(hq, total_q, dtype=_lse_dtype(q.dtype), device=q.device)
+
+
+@torch.library.custom_op("flash_attn4::bwd_varlen", mutates_args=())
+def bwd_varlen(
+    dout: Tensor,
+    dlse: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    seqused_q: Optional[Tensor],
+    seqused_k: Optional[Tensor],
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Varlen backward (reference): dq like q, dk like k, dv like v; gradients through lse included."""
+    grads = reference.attention_varlen_bwd_ref(
+        dout,
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        dlse=dlse,
+        seqused_q=seqused_q,
+        seqused_k=seqused_k,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        window_size=(window_left, window_right),
+        softcap=softcap,
+    )
+    return tuple(g.contiguous() for g in grads)
+
+
+@bwd_varlen.register_fake
+def _bwd_varlen_fake(dout, dlse, q, k, v, *args):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context_varlen(ctx, inputs, output) -> None:
+    q, k, v, cu_q, cu_k, used_q, used_k, *args = inputs
+    ctx.save_for_backward(q, k, v, cu_q, cu_k)
+    ctx.used = (used_q, used_k)
+    ctx.args = tuple(args)
+
+
+def _backward_varlen(ctx, dout: Optional[Tensor], dlse: Optional[Tensor]):
+    q, k, v, cu_q, cu_k = ctx.saved_tensors
+    dout = torch.zeros_like(q) if dout is None else dout
+    if dlse is None:
+        dlse = torch.zeros(q.shape[1], q.shape[0], dtype=_lse_dtype(q.dtype), device=q.device)
+    dq, dk, dv = bwd_varlen(dout, dlse, q, k, v, cu_q, cu_k, *ctx.used, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+fwd_varlen.register_autograd(_backward_varlen, setup_context=_setup_context_varlen)

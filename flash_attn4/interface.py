@@ -151,3 +151,115 @@ def attn(
     softmax_scale = _validate_scalar("softmax_scale", softmax_scale, allow_zero=False)
     out, lse = torch.ops.flash_attn4.fwd(q, k, v, softmax_scale, causal, left, right, softcap)
     return (out, lse) if return_lse else out
+
+
+def _validate_varlen(
+    q: Any,
+    k: Any,
+    v: Any,
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    max_seqlen_q: Any,
+    max_seqlen_k: Any,
+    seqused_q: Any,
+    seqused_k: Any,
+) -> None:
+    """Packed q (total_q, hq, d), k/v (total_k, hk, d) and their int32 offsets. Offsets are not read here:
+    on CUDA that would synchronize the host; the op checks them where it reads them."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(
+                f"{name} must be 3-D (total_tokens, nheads, headdim) for attn_varlen, got shape "
+                f"{tuple(t.shape)}; for padded (batch, seqlen, nheads, headdim) tensors use attn"
+            )
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"q and k must have the same headdim, got {q.shape[2]} and {k.shape[2]}")
+    hq, hk = q.shape[1], k.shape[1]
+    if hk < 1 or hq % hk != 0:
+        raise ValueError(f"nheads of q ({hq}) must be a multiple of nheads of k and v ({hk}) (GQA/MQA)")
+    _validate_device_rules(q.device.type, q.dtype, q.shape[2])
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(t, Tensor) or t.dim() != 1 or t.dtype != torch.int32 or t.numel() < 1:
+            raise TypeError(
+                f"{name} must be a 1-D int32 tensor of batch + 1 offsets (0, len_0, len_0 + len_1, ...); "
+                "build it with torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)"
+            )
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
+            f"{cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}"
+        )
+    batch = cu_seqlens_q.numel() - 1
+    for name, t in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
+        if t is None:
+            continue
+        if not isinstance(t, Tensor) or t.dim() != 1 or t.dtype != torch.int32 or t.numel() != batch:
+            raise TypeError(
+                f"{name} must be None or a 1-D int32 tensor of {batch} lengths (one per sequence)"
+            )
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise TypeError(f"{name} must be a Python int >= 0 (the longest sequence), got {m!r}")
+
+
+def attn_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    return_lse: bool = False,
+    deterministic: bool = False,
+    seqused_q: Tensor | None = None,
+    seqused_k: Tensor | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Exact attention over a packed batch of variable-length sequences (no padding).
+
+    Args:
+        q: (total_q, nheads_q, headdim); k, v: (total_k, nheads_kv, headdim), nheads_q % nheads_kv == 0.
+        cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 offsets: sequence i owns q rows
+            [cu_seqlens_q[i], cu_seqlens_q[i+1]) and k/v rows [cu_seqlens_k[i], cu_seqlens_k[i+1]).
+            Zero-length sequences are allowed.
+        max_seqlen_q, max_seqlen_k: the longest sequence lengths (Python ints, FlashAttention's API; the
+            CUDA kernel will size its grid from them without reading the offsets on the host).
+        seqused_q, seqused_k: optional (batch,) int32: only the first seqused rows of each sequence take part;
+            query rows past seqused_q get out = 0 and lse = -inf.
+        causal, softmax_scale, window_size, softcap, deterministic: as for `attn`, per sequence (masks aligned
+            to the bottom-right corner of each sequence).
+
+    Returns:
+        out: (total_q, nheads_q, headdim); with return_lse also lse: (nheads_q, total_q) float32.
+
+    Runs on the PyTorch reference for now (the CUDA varlen kernel is a later issue); gradients flow to q,
+    k, v on every device.
+    """
+    _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
+    _validate_flags(causal=causal, return_lse=return_lse, deterministic=deterministic)
+    left, right = _validate_window(window_size, causal)
+    softcap = _validate_scalar("softcap", softcap, allow_zero=True)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    softmax_scale = _validate_scalar("softmax_scale", softmax_scale, allow_zero=False)
+    out, lse = torch.ops.flash_attn4.fwd_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, softmax_scale, causal, left, right, softcap
+    )
+    return (out, lse) if return_lse else out

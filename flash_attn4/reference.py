@@ -234,3 +234,110 @@ def _probs(
     lse = torch.where(empty, torch.full_like(m, -math.inf), m + torch.log(denom)).squeeze(-1)
     p = (p / denom).view(b, hk, g * rows, sk)
     return p, lse, None if tanh is None else tanh.view(b, hk, g * rows, sk)
+
+
+def _varlen_segments(
+    cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, seqused_q: Tensor | None, seqused_k: Tensor | None
+) -> list[tuple[int, int, int, int]]:
+    """(q start, q rows used, k start, k rows used) per sequence, read on the host."""
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    if len(cq) != len(ck) or len(cq) < 1:
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must both have batch + 1 >= 1 entries")
+    lens_q = [b - a for a, b in zip(cq, cq[1:])]
+    lens_k = [b - a for a, b in zip(ck, ck[1:])]
+    if cq[0] != 0 or ck[0] != 0 or min(lens_q + lens_k, default=0) < 0:
+        raise ValueError("cu_seqlens must start at 0 and be non-decreasing")
+    used_q = lens_q if seqused_q is None else [min(u, n) for u, n in zip(seqused_q.tolist(), lens_q)]
+    used_k = lens_k if seqused_k is None else [min(u, n) for u, n in zip(seqused_k.tolist(), lens_k)]
+    return [(cq[i], max(0, used_q[i]), ck[i], max(0, used_k[i])) for i in range(len(lens_q))]
+
+
+def attention_varlen_ref(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    *,
+    seqused_q: Tensor | None = None,
+    seqused_k: Tensor | None = None,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    upcast: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """Reference attention over a packed batch of variable-length sequences.
+
+    Sequence i owns query rows [cu_seqlens_q[i], cu_seqlens_q[i+1]) of q and key rows
+    [cu_seqlens_k[i], cu_seqlens_k[i+1]) of k and v, and is attention_ref of those rows on their own (masks
+    aligned to the bottom-right corner of each sequence). With seqused_q / seqused_k (batch,) only the first
+    seqused rows of a sequence take part; the other query rows get out = 0 and lse = -inf.
+
+    Args:
+        q: (total_q, nheads_q, headdim); k, v: (total_k, nheads_kv, headdim).
+        cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 offsets, starting at 0, non-decreasing.
+
+    Returns:
+        out (total_q, nheads_q, headdim) in q's dtype; lse (nheads_q, total_q) float32 (float64 for
+        float64 inputs), natural log.
+    """
+    total_q, hq, _ = q.shape
+    cdt = _compute_dtype(q.dtype, upcast)
+    lse_dtype = torch.float64 if cdt == torch.float64 else torch.float32
+    out = q.new_zeros(total_q, hq, v.shape[-1])
+    lse = torch.full((hq, total_q), -math.inf, dtype=lse_dtype, device=q.device)
+    for q0, nq, k0, nk in _varlen_segments(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
+        if nq == 0:
+            continue
+        o, l_ = attention_ref(
+            q[None, q0 : q0 + nq],
+            k[None, k0 : k0 + nk],
+            v[None, k0 : k0 + nk],
+            causal=causal,
+            softmax_scale=softmax_scale,
+            window_size=window_size,
+            softcap=softcap,
+            upcast=upcast,
+        )
+        out[q0 : q0 + nq] = o[0]
+        lse[:, q0 : q0 + nq] = l_[0]
+    return out, lse
+
+
+def attention_varlen_bwd_ref(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    *,
+    dlse: Tensor | None = None,
+    seqused_q: Tensor | None = None,
+    seqused_k: Tensor | None = None,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of `attention_varlen_ref` (dlse: (nheads_q, total_q) or None); rows not used get 0."""
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for q0, nq, k0, nk in _varlen_segments(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
+        if nq == 0 or nk == 0:
+            continue
+        g = attention_bwd_ref(
+            dout[None, q0 : q0 + nq],
+            q[None, q0 : q0 + nq],
+            k[None, k0 : k0 + nk],
+            v[None, k0 : k0 + nk],
+            dlse=None if dlse is None else dlse[None, :, q0 : q0 + nq],
+            causal=causal,
+            softmax_scale=softmax_scale,
+            window_size=window_size,
+            softcap=softcap,
+        )
+        dq[q0 : q0 + nq] = g[0][0]
+        dk[k0 : k0 + nk] = g[1][0]
+        dv[k0 : k0 + nk] = g[2][0]
+    return dq, dk, dv
