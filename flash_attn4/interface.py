@@ -107,6 +107,25 @@ def _validate_scalar(name: str, value: Any, *, allow_zero: bool) -> float:
     return value
 
 
+def _validate_options(
+    headdim: int,
+    causal: Any,
+    softmax_scale: Any,
+    window_size: Any,
+    softcap: Any,
+    return_lse: Any,
+    deterministic: Any,
+) -> tuple[float, int, int, float]:
+    """The keyword options shared by attn and attn_varlen -> (softmax_scale, left, right, softcap)."""
+    _validate_flags(causal=causal, return_lse=return_lse, deterministic=deterministic)
+    left, right = _validate_window(window_size, causal)
+    softcap = _validate_scalar("softcap", softcap, allow_zero=True)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(headdim)
+    softmax_scale = _validate_scalar("softmax_scale", softmax_scale, allow_zero=False)
+    return softmax_scale, left, right, softcap
+
+
 def attn(
     q: Tensor,
     k: Tensor,
@@ -143,12 +162,9 @@ def attn(
     the CUDA kernel path the backward raises NotImplementedError until the Hopper backward kernel lands.
     """
     _validate_tensors(q, k, v)
-    _validate_flags(causal=causal, return_lse=return_lse, deterministic=deterministic)
-    left, right = _validate_window(window_size, causal)
-    softcap = _validate_scalar("softcap", softcap, allow_zero=True)
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    softmax_scale = _validate_scalar("softmax_scale", softmax_scale, allow_zero=False)
+    softmax_scale, left, right, softcap = _validate_options(
+        q.shape[-1], causal, softmax_scale, window_size, softcap, return_lse, deterministic
+    )
     out, lse = torch.ops.flash_attn4.fwd(q, k, v, softmax_scale, causal, left, right, softcap)
     return (out, lse) if return_lse else out
 
@@ -253,12 +269,9 @@ def attn_varlen(
     k, v on every device.
     """
     _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
-    _validate_flags(causal=causal, return_lse=return_lse, deterministic=deterministic)
-    left, right = _validate_window(window_size, causal)
-    softcap = _validate_scalar("softcap", softcap, allow_zero=True)
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    softmax_scale = _validate_scalar("softmax_scale", softmax_scale, allow_zero=False)
+    softmax_scale, left, right, softcap = _validate_options(
+        q.shape[-1], causal, softmax_scale, window_size, softcap, return_lse, deterministic
+    )
     out, lse = torch.ops.flash_attn4.fwd_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, softmax_scale, causal, left, right, softcap
     )

@@ -76,7 +76,7 @@ def main() -> int:
                 if re.search(r"registers|spill", line):
                     print(f"[compile_check]   {line.strip()}")
                 spill = re.search(r"(\d+) bytes spill stores", line)
-                main_kernel = entry is not None and ("fwd_kernel_sm90" in entry or "bwd_kernel_sm90" in entry)
+                main_kernel = entry is not None and "kernel_entry_sm90" in entry
                 if spill and int(spill.group(1)) and main_kernel:
                     print(f"[compile_check] {kernel.name} FAILED: spills {spill.group(1)} bytes")
                     failed = True

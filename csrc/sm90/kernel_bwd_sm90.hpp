@@ -377,13 +377,4 @@ struct BwdKernelSm90 {
   }
 };
 
-template <class Kernel>
-__global__ void __launch_bounds__(Kernel::kNumThreads, 1)
-    bwd_kernel_sm90(CUTE_GRID_CONSTANT typename Kernel::Params const params) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  extern __shared__ char smem[];
-  Kernel{}(params, smem);
-#endif
-}
-
 }  // namespace flash4

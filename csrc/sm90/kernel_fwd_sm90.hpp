@@ -100,13 +100,4 @@ struct FwdKernelSm90 {
   }
 };
 
-template <class Kernel>
-__global__ void __launch_bounds__(Kernel::kNumThreads, 1)
-    fwd_kernel_sm90(CUTE_GRID_CONSTANT typename Kernel::Params const params) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  extern __shared__ char smem[];
-  Kernel{}(params, smem);
-#endif
-}
-
 }  // namespace flash4
