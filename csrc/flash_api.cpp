@@ -124,9 +124,10 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
 
 // Gradients of fwd: writes dq (like q), dk and dv (like k and v; summed over each GQA group's query heads).
 // Uses fp32 scratch allocated here (dq_accum, D, lse in log2 units), rows padded to a multiple of 128.
+// deterministic: key blocks add into dq in a fixed order (bitwise-reproducible dq; dk and dv always are).
 void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
          const at::Tensor& out, const at::Tensor& lse, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
-         double softmax_scale, bool causal) {
+         double softmax_scale, bool causal, bool deterministic) {
   using TensorList = std::initializer_list<const at::Tensor*>;
   for (const at::Tensor* t : TensorList{&dout, &q, &k, &v, &out, &lse, &dq, &dk, &dv}) {
     TORCH_CHECK(t->is_cuda() && t->device() == q.device(), "flash_attn4: all tensors must be on q's CUDA device");
@@ -154,7 +155,7 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
                   lse.size(1) == nheads_q && lse.size(2) == seqlen_q,
               "flash_attn4: lse must be the forward's contiguous float32 (batch, nheads_q, seqlen_q) tensor");
   TORCH_CHECK(seqlen_q >= 1 && seqlen_k >= 1 && batch >= 1, "flash_attn4: empty inputs are handled in Python");
-  TORCH_CHECK(batch <= 65535 && nheads_kv <= 65535, "flash_attn4: batch and nheads_kv must be <= 65535");
+  TORCH_CHECK(batch <= 65535 && nheads_q <= 65535, "flash_attn4: batch and nheads_q must be <= 65535");
   check_tma_layout(q, "q");
   check_tma_layout(k, "k");
   check_tma_layout(v, "v");
@@ -178,6 +179,9 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
   at::Tensor dq_accum = at::empty({batch, nheads_q, seqlen_q_rounded, head_dim}, f32);
   at::Tensor dpsum = at::empty({batch, nheads_q, seqlen_q_rounded}, f32);
   at::Tensor lse_log2 = at::empty({batch, nheads_q, seqlen_q_rounded}, f32);
+  // One turn counter per 64-row query block (the kernel's kBlockM), zeroed: see BwdParams::dq_semaphore.
+  at::Tensor dq_semaphore =
+      deterministic ? at::zeros({batch, nheads_q, seqlen_q_rounded / 64}, q.options().dtype(at::kInt)) : at::Tensor();
 
   flash4::BwdParams p;
   p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr(), p.out = out.data_ptr(), p.dout = dout.data_ptr();
@@ -194,6 +198,7 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
   p.dq_accum = dq_accum.data_ptr<float>();
   p.dpsum = dpsum.data_ptr<float>();
   p.lse_log2 = lse_log2.data_ptr<float>();
+  p.dq_semaphore = deterministic ? dq_semaphore.data_ptr<int>() : nullptr;
   p.seqlen_q_rounded = int(seqlen_q_rounded);
   p.batch = int(batch), p.seqlen_q = int(seqlen_q), p.seqlen_k = int(seqlen_k);
   p.nheads_q = int(nheads_q), p.nheads_kv = int(nheads_kv), p.head_dim = int(head_dim);
@@ -219,6 +224,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("lse"), py::arg("softmax_scale"), py::arg("causal"));
   m.def("bwd", &bwd, "Attention backward into preallocated dq/dk/dv", py::arg("dout"), py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
-        py::arg("softmax_scale"), py::arg("causal"));
+        py::arg("softmax_scale"), py::arg("causal"), py::arg("deterministic") = false);
   m.def("compiled_kernels", &compiled_kernels, "Names of the kernel instantiations in this build");
 }

@@ -68,7 +68,10 @@ struct BwdParams {
   int64_t dv_batch_stride = 0, dv_row_stride = 0, dv_head_stride = 0;
 
   // Scratch, contiguous, rows padded to seqlen_q_rounded (a multiple of the kernel's kBlockM):
-  //   dq_accum (batch, nheads_q, seqlen_q_rounded, head_dim) fp32, zeroed by the pre-pass;
+  //   dq_accum (batch, nheads_q, seqlen_q_rounded, head_dim) fp32, zeroed by the pre-pass. Within each
+  //            block of kBlockM rows the kernel may store elements in its own order (the sm90 kernel keeps
+  //            its accumulator's register order so a whole block is one bulk reduce-add); the post-pass
+  //            that matches the kernel undoes it;
   //   dpsum    (batch, nheads_q, seqlen_q_rounded) fp32: D = rowsum(dout * out);
   //   lse_log2 (batch, nheads_q, seqlen_q_rounded) fp32: lse * log2(e), +inf for rows that see no key and
   //            for padding rows, so that exp2(s * scale_log2 - lse_log2) is 0 there instead of NaN.
@@ -76,6 +79,10 @@ struct BwdParams {
   float* dpsum = nullptr;
   float* lse_log2 = nullptr;
   int seqlen_q_rounded = 0;
+  // Deterministic dQ: null for the default (blocks of keys add into dq_accum in whatever order they
+  // finish), else zeroed int32 counters, one per (batch, head_q, query block of 64 rows), with which the key
+  // blocks take turns in a fixed order, so dq is bitwise reproducible.
+  int* dq_semaphore = nullptr;
 
   int batch = 0, seqlen_q = 0, seqlen_k = 0, nheads_q = 0, nheads_kv = 0, head_dim = 0;
   float softmax_scale = 0.f;

@@ -1,7 +1,7 @@
-// The backward's small pre- and post-passes (arch-independent CUDA, one warp per query row).
-//   pre:  D = rowsum(dout * out), lse in log2 units (+inf where exp must give 0), dq_accum zeroed;
-//   post: dq = dq_accum * softmax_scale, converted to the input dtype.
-// Both are memory-bound passes over (batch, heads, seqlen_q, head_dim); 16-byte loads of the inputs.
+// The backward's pre-pass (arch-independent CUDA, one warp per query row): D = rowsum(dout * out), lse in
+// log2 units (+inf where exp must give 0), dq_accum zeroed. A memory-bound pass over (batch, heads,
+// seqlen_q, head_dim) with 16-byte loads. The post-pass depends on the order in which the main kernel
+// leaves dq_accum, so it lives beside that kernel (sm90/bwd_postprocess_sm90.hpp).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -63,25 +63,6 @@ __global__ void __launch_bounds__(kPrePostThreads) bwd_preprocess_kernel(const B
     p.dpsum[i] = d;
     const float lse = r.row < p.seqlen_q ? p.lse[r.bh * p.seqlen_q + r.row] : -INFINITY;
     p.lse_log2[i] = lse == -INFINITY ? INFINITY : lse * float(M_LOG2E);
-  }
-}
-
-template <class Element>
-__global__ void __launch_bounds__(kPrePostThreads) bwd_postprocess_kernel(const BwdParams p) {
-  RowIndex r;
-  if (!row_index(p, r) || r.row >= p.seqlen_q) return;
-  const int lane = threadIdx.x % 32;
-  const float4* acc =
-      reinterpret_cast<const float4*>(p.dq_accum + (r.bh * p.seqlen_q_rounded + r.row) * p.head_dim);
-  Element* dq =
-      static_cast<Element*>(p.dq) + r.b * p.dq_batch_stride + r.row * p.dq_row_stride + r.h * p.dq_head_stride;
-  cutlass::NumericArrayConverter<Element, float, 4> convert;
-  for (int c = lane; c < p.head_dim / 4; c += 32) {
-    const float4 a = acc[c];
-    cutlass::Array<float, 4> f;
-    f[0] = a.x * p.softmax_scale, f[1] = a.y * p.softmax_scale;
-    f[2] = a.z * p.softmax_scale, f[3] = a.w * p.softmax_scale;
-    *reinterpret_cast<cutlass::Array<Element, 4>*>(dq + 4 * c) = convert(f);
   }
 }
 

@@ -6,6 +6,7 @@
 
 #include "../common/bwd_prepost.cuh"
 #include "../dispatch.h"
+#include "../sm90/bwd_postprocess_sm90.hpp"
 #include "../sm90/kernel_bwd_sm90.hpp"
 #include "../sm90/kernel_traits_bwd_sm90.hpp"
 #include "launch_common.hpp"
@@ -22,7 +23,8 @@ void run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   bwd_preprocess_kernel<Element><<<prepost_grid(p), kPrePostThreads, 0, stream>>>(p);
   check_cuda(cudaGetLastError(), "backward pre-pass launch");
   launch_sm90<BwdKernelSm90<Traits, kCausal>>(p, stream, "backward kernel launch");
-  bwd_postprocess_kernel<Element><<<prepost_grid(p), kPrePostThreads, 0, stream>>>(p);
+  const dim3 post_grid(p.seqlen_q_rounded / Traits::kBlockM, p.nheads_q, p.batch);
+  bwd_postprocess_sm90_kernel<Traits><<<post_grid, Traits::kNumMmaThreads, 0, stream>>>(p);
   check_cuda(cudaGetLastError(), "backward post-pass launch");
 }
 

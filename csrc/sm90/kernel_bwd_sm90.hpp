@@ -2,9 +2,9 @@
 //
 // Warp roles as in the forward: warpgroup 0 produces (one thread issues TMA: K and V of the CTA's key
 // block once, then Q, dO, lse_log2 and D per query block into a two-stage pipeline), warpgroups 1 and 2
-// consume, 64 keys each. dK and dV stay in registers for the CTA's whole life (summed over the query heads
-// of the GQA group, so no cross-CTA reduction is needed for them); dQ leaves every step through fp32
-// atomics into dq_accum.
+// consume, 64 keys each; warp 1 of warpgroup 0 writes dQ. dK and dV stay in registers for the CTA's whole
+// life (summed over the query heads of the GQA group, so no cross-CTA reduction is needed for them); dQ
+// leaves every step through shared memory and a bulk reduce-add into dq_accum.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -21,10 +21,6 @@
 namespace flash4 {
 
 using namespace cute;
-
-// Named barrier id of the backward (id 0 is __syncthreads): both consumer warpgroups' dS writes to shared
-// memory happen before either's dQ GEMM reads them.
-constexpr int kBwdBarrierDs = 1;
 
 template <class Traits_, bool kCausal>
 struct BwdKernelSm90 {
@@ -63,6 +59,7 @@ struct BwdKernelSm90 {
     ShapeT shape_q, shape_k;
     ShapeRow shape_row;
     float* dq_accum;
+    int* dq_semaphore;
     void* dk;
     void* dv;
     int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
@@ -95,6 +92,7 @@ struct BwdKernelSm90 {
             shape_k,
             shape_row,
             p.dq_accum,
+            p.dq_semaphore,
             p.dk,
             p.dv,
             p.dk_batch_stride,
@@ -149,6 +147,8 @@ struct BwdKernelSm90 {
     int m_min, m_max;
     m_block_range(params, n_block, m_min, m_max);
     auto state = cutlass::make_producer_start_state<typename Traits::PipelineQdO>();
+    // Not unrolled: the producer warpgroup runs on 24 registers, and unrolled copies of this loop spill.
+#pragma unroll 1
     for (int i = 0; i < params.head_ratio; ++i) {
       const int bidh = bidh_kv * params.head_ratio + i;
       Tensor gQ = local_tile(params.tma_q.get_tma_tensor(params.shape_q)(_, _, bidh, bidb), TileQ{},
@@ -164,6 +164,7 @@ struct BwdKernelSm90 {
       auto tLse = tma_partition(params.tma_lse, _0{}, Layout<_1>{}, group_modes<0, 1>(sLse), group_modes<0, 1>(gLse));
       auto tDpsum =
           tma_partition(params.tma_dpsum, _0{}, Layout<_1>{}, group_modes<0, 1>(sDpsum), group_modes<0, 1>(gDpsum));
+#pragma unroll 1
       for (int m_block = m_min; m_block < m_max; ++m_block) {
         pipeline.producer_acquire(state);
         BarrierT* bar = pipeline.producer_get_barrier(state);
@@ -177,6 +178,55 @@ struct BwdKernelSm90 {
     }
   }
 
+  // Warp 1 of the producer warpgroup: per query block, waits for each consumer warpgroup's dQ half in
+  // shared memory, reduce-adds it into dq_accum with one bulk copy, and hands the buffer back once read.
+  // Deterministic mode: key blocks of one (batch, head) add to a query block in increasing n_block order,
+  // taking turns through a counter, so the fp32 sums are formed in the same order every run.
+  CUTE_DEVICE void store_dq(Params const& params, SharedStorage& smem, int n_block, int bidh_kv, int bidb) const {
+    constexpr int kChunk = Traits::kdQChunk;
+    const bool leader = cute::elect_one_sync();
+    int m_min, m_max;
+    m_block_range(params, n_block, m_min, m_max);
+    const int num_m_blocks = params.seqlen_q_rounded / kBlockM;
+#pragma unroll 1  // 24 registers, as in load()
+    for (int i = 0; i < params.head_ratio; ++i) {
+      const int64_t bh = int64_t(bidb) * params.nheads_q + bidh_kv * params.head_ratio + i;
+      float* dq_accum = params.dq_accum + bh * params.seqlen_q_rounded * kHeadDim;
+      int* semaphore = params.dq_semaphore ? params.dq_semaphore + bh * num_m_blocks : nullptr;
+#pragma unroll 1
+      for (int m_block = m_min; m_block < m_max; ++m_block) {
+        const bool last = i == params.head_ratio - 1 && m_block == m_max - 1;
+        if (semaphore != nullptr && leader) {
+          while (load_acquire_gpu(semaphore + m_block) != n_block) {
+          }
+          fence_proxy_async_global();
+        }
+        __syncwarp();
+#pragma unroll
+        for (int w = 0; w < Traits::kNumMmaWarpGroups; ++w) {
+          named_barrier_sync(128 + 32, int(BwdBarrier::kdQFull0) + w);
+          if (leader) {
+            bulk_reduce_add_f32(dq_accum + int64_t(m_block) * kBlockM * kHeadDim + w * kChunk,
+                                smem.dq.data() + w * kChunk, kChunk * int(sizeof(float)));
+            bulk_commit_group();
+          }
+        }
+        if (leader) bulk_wait_group_read<1>();
+        __syncwarp();
+        if (!last) named_barrier_arrive(128 + 32, int(BwdBarrier::kdQEmpty0));
+        if (leader) bulk_wait_group_read<0>();
+        __syncwarp();
+        if (!last) named_barrier_arrive(128 + 32, int(BwdBarrier::kdQEmpty0) + 1);
+        if (semaphore != nullptr && leader) {
+          bulk_wait_all();
+          fence_proxy_async_global();
+          release_increment_gpu(semaphore + m_block);
+        }
+      }
+    }
+    if (leader) bulk_wait_all();
+  }
+
   template <class FragKV>
   CUTE_DEVICE void mma(Params const& params, typename Traits::PipelineQdO& pipeline, SharedStorage& smem,
                        FragKV& tdKrdK, FragKV& tdVrdV, int thread_idx, int n_block, int bidh_kv, int bidb) const {
@@ -186,6 +236,7 @@ struct BwdKernelSm90 {
     auto thr_sdp = mma_sdp.get_thread_slice(thread_idx);
     auto thr_dkv = mma_dkv.get_thread_slice(thread_idx);
     auto thr_dq = mma_dq.get_thread_slice(thread_idx);
+    const int warp_group = thread_idx / 128, wg_thread = thread_idx % 128;
 
     Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutV{});
@@ -197,6 +248,7 @@ struct BwdKernelSm90 {
     Tensor sdS = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutdS{});
     Tensor sLse = make_tensor(make_smem_ptr(smem.lse_log2.data()), typename Traits::SmemLayoutRow{});
     Tensor sDpsum = make_tensor(make_smem_ptr(smem.dpsum.data()), typename Traits::SmemLayoutRow{});
+    float4* sdQ = reinterpret_cast<float4*>(smem.dq.data() + warp_group * Traits::kdQChunk);
 
     // S^T = K Q^T and dP^T = V dO^T: A = this warpgroup's 64 keys, B = the stage's queries.
     Tensor tSrK = thr_sdp.partition_fragment_A(sK);
@@ -217,35 +269,51 @@ struct BwdKernelSm90 {
     Tensor tSrdP_rc = make_tensor(tSrdP.data(), acc_rowcol_layout(tSrdP.layout()));
     Tensor tScS = thr_sdp.partition_C(make_identity_tensor(TileS{}));  // (key, query) in the tile
     Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol_layout(tScS.layout()));
+    // A thread's query columns are its first one plus offsets that are the same for every thread: taken from
+    // thread 0's slice they fold to immediates, so lse_log2 and D are read off one base pointer per stage
+    // (per-column addresses cost registers and spilled).
+    Tensor tScS0 = mma_sdp.get_thread_slice(0).partition_C(make_identity_tensor(TileS{}));
+    Tensor tScS0_rc = make_tensor(tScS0.data(), acc_rowcol_layout(tScS0.layout()));
+    const int query_thr = get<1>(tScS_rc(0, 0));
     Tensor tPrP_acc = make_tensor<Element>(tSrS.layout());
     Tensor tPrP = make_tensor(tPrP_acc.data(), acc_as_a_operand_layout(tSrS.layout()));
     Tensor tdSrdS_acc = make_tensor<Element>(tSrS.layout());
     Tensor tdSrdS = make_tensor(tdSrdS_acc.data(), acc_as_a_operand_layout(tSrS.layout()));
+    // The dS buffer seen as (keys, queries, buffer), the accumulator's orientation, for stmatrix.
+    Tensor sdSt = make_tensor(sdS.data(), select<1, 0, 2>(sdS.layout()));
+    auto smem_copy_dS = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
+    auto smem_thr_copy_dS = smem_copy_dS.get_thread_slice(thread_idx);
+    Tensor tdSsdS = smem_thr_copy_dS.partition_D(sdSt);
     Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-    Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    static_assert(decltype(size(tdQrdQ))::value * 128 == Traits::kdQChunk);
     int step = 0;
 
     clear(tdKrdK);
     clear(tdVrdV);
-    smem.barrier_kv.wait(0);
-
     int m_min, m_max;
     m_block_range(params, n_block, m_min, m_max);
+    // This warpgroup's dQ buffer starts empty: warp 0 stands in for the writer warp's first release (the
+    // writer skips its last one, so every barrier phase started is completed).
+    if (m_min < m_max && wg_thread < 32) named_barrier_arrive(128 + 32, int(BwdBarrier::kdQEmpty0) + warp_group);
+    smem.barrier_kv.wait(0);
+
     const int seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k;
-    typename Traits::PipelineState read;
+    typename Traits::PipelineState read, prev;
     for (int i = 0; i < params.head_ratio; ++i) {
-      const int bidh = bidh_kv * params.head_ratio + i;
-      float* dq_accum = params.dq_accum + (int64_t(bidb) * params.nheads_q + bidh) * params.seqlen_q_rounded * kHeadDim;
       for (int m_block = m_min; m_block < m_max; ++m_block) {
         const int s = read.index();
         pipeline.consumer_wait(read);
         warpgroup_gemm</*zero_init=*/true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, s), tSrS);
         warpgroup_gemm<true, -1>(mma_sdp, tSrV, tSrdO(_, _, _, s), tSrdP);
+        // S^T has retired, and with it the previous step's dK GEMM, the last reader of that step's stage.
         warpgroup_wait<1>();
         warpgroup_fence_operand(tSrS);
+        if (step > 0 && wg_thread == 0) pipeline.consumer_release(prev);
 
         // P^T = exp2(S^T * scale_log2 - lse_log2[q]); masked entries are 0. Rows of Q past seqlen_q have
         // lse_log2 = +inf (pre-pass), so they give 0 without a mask.
+        const float* lse_s = &sLse(query_thr, s);
+        const float* dpsum_s = &sDpsum(query_thr, s);
         const int key0 = n_block * kBlockN, query0 = m_block * kBlockM;
         const bool need_mask = key0 + kBlockN > seqlen_k ||
                                (kCausal && key0 + kBlockN - 1 > query0 + seqlen_k - seqlen_q);
@@ -253,7 +321,7 @@ struct BwdKernelSm90 {
         for (int r = 0; r < size<0>(tSrS_rc); ++r) {
 #pragma unroll
           for (int c = 0; c < size<1>(tSrS_rc); ++c) {
-            tSrS_rc(r, c) = exp2_approx(fmaf(tSrS_rc(r, c), params.scale_log2, -sLse(get<1>(tScS_rc(r, c)), s)));
+            tSrS_rc(r, c) = exp2_approx(fmaf(tSrS_rc(r, c), params.scale_log2, -lse_s[get<1>(tScS0_rc(r, c))]));
           }
         }
         // Masking is a separate pass that only the boundary blocks take, so the common path carries no
@@ -276,44 +344,43 @@ struct BwdKernelSm90 {
         for (int r = 0; r < size<0>(tSrdP_rc); ++r) {
 #pragma unroll
           for (int c = 0; c < size<1>(tSrdP_rc); ++c) {
-            tSrdP_rc(r, c) = tSrS_rc(r, c) * (tSrdP_rc(r, c) - sDpsum(get<1>(tScS_rc(r, c)), s));
+            tSrdP_rc(r, c) = tSrS_rc(r, c) * (tSrdP_rc(r, c) - dpsum_s[get<1>(tScS0_rc(r, c))]);
           }
         }
         convert_fragment(tSrS, tPrP_acc);
         convert_fragment(tSrdP, tdSrdS_acc);
-        warpgroup_gemm<false, -1>(mma_dkv, tPrP, tdVrdOt(_, _, _, s), tdVrdV);
-        warpgroup_gemm<false, -1>(mma_dkv, tdSrdS, tdKrQt(_, _, _, s), tdKrdK);
 
         // dS (queries x keys) to shared memory for the dQ GEMM. Buffer `step % 2`: the other warpgroup may
         // still be reading the previous step's buffer, but it passed this step's barrier only after its
-        // dQ GEMM of two steps ago retired, so this buffer is free. Accumulator elements 2i and 2i+1 are
-        // queries q, q+1 (q even) of one key, adjacent in the query-contiguous buffer: one 32-bit store.
+        // dQ GEMM of two steps ago retired, so this buffer is free. Queries are contiguous in the buffer, as
+        // in the accumulator's 8x8 blocks, so stmatrix stores four blocks per instruction (per-element
+        // swizzled addresses cost registers and spilled).
         const int buf = step & 1;
-#pragma unroll
-        for (int e = 0; e < size(tdSrdS_acc); e += 2) {
-          Element* dst = &sdS(get<1>(tScS(e)), get<0>(tScS(e)), buf);
-          *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(&tdSrdS_acc(e));
-        }
+        copy(smem_copy_dS, smem_thr_copy_dS.retile_S(tdSrdS_acc), tdSsdS(_, _, _, buf));
+        warpgroup_gemm<false, -1>(mma_dkv, tPrP, tdVrdOt(_, _, _, s), tdVrdV);
         cutlass::arch::fence_view_async_shared();
-        named_barrier_sync(Traits::kNumMmaThreads, kBwdBarrierDs);
-        warpgroup_gemm<true, -1>(mma_dq, tdQrdS(_, _, _, buf), tdQrKt, tdQrdQ);
-        warpgroup_wait<0>();  // dV, dK and dQ GEMMs retired
+        named_barrier_sync(Traits::kNumMmaThreads, int(BwdBarrier::kdS));
+        warpgroup_gemm<true, 1>(mma_dq, tdQrdS(_, _, _, buf), tdQrKt, tdQrdQ);  // dV retired
         warpgroup_fence_operand(tdVrdV);
-        warpgroup_fence_operand(tdKrdK);
+        warpgroup_gemm<false, 1>(mma_dkv, tdSrdS, tdKrQt(_, _, _, s), tdKrdK);  // dQ retired
         warpgroup_fence_operand(tdQrdQ);
-        // The stage's Q, dO, lse and D have been read by every GEMM that needs them.
-        if (thread_idx % 128 == 0) pipeline.consumer_release(read);
+
+        // dQ to this warpgroup's shared-memory chunk, once the writer warp has read the previous one.
+        named_barrier_sync(128 + 32, int(BwdBarrier::kdQEmpty0) + warp_group);
+#pragma unroll
+        for (int e = 0; e < size(tdQrdQ); e += 4) {
+          sdQ[(e / 4) * 128 + wg_thread] = make_float4(tdQrdQ(e), tdQrdQ(e + 1), tdQrdQ(e + 2), tdQrdQ(e + 3));
+        }
+        cutlass::arch::fence_view_async_shared();  // visible to the bulk copy (async proxy)
+        named_barrier_arrive(128 + 32, int(BwdBarrier::kdQFull0) + warp_group);
+        prev = read;
         ++read;
         ++step;
-        float* dq_block = dq_accum + int64_t(query0) * kHeadDim;
-        // Elements 2i and 2i+1 are adjacent columns (even first) of one row: 8-byte float2 atomics (sm_90).
-#pragma unroll
-        for (int e = 0; e < size(tdQrdQ); e += 2) {
-          float* dst = dq_block + get<0>(tdQcdQ(e)) * kHeadDim + get<1>(tdQcdQ(e));
-          atomicAdd(reinterpret_cast<float2*>(dst), make_float2(tdQrdQ(e), tdQrdQ(e + 1)));
-        }
       }
     }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tdKrdK);
+    if (step > 0 && wg_thread == 0) pipeline.consumer_release(prev);
   }
 
   // dK (scaled by softmax_scale: S = scale * Q K^T) and dV to global memory, rows past seqlen_k skipped.
@@ -364,7 +431,9 @@ struct BwdKernelSm90 {
     const int n_block = blockIdx.x, bidh_kv = blockIdx.y, bidb = blockIdx.z;
     if (warp_group == 0) {
       arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-      if (threadIdx.x == 0) load(params, pipeline, smem, n_block, bidh_kv, bidb);
+      const int warp = warp_idx % 4;
+      if (warp == 0 && threadIdx.x == 0) load(params, pipeline, smem, n_block, bidh_kv, bidb);
+      if (warp == 1) store_dq(params, smem, n_block, bidh_kv, bidb);
     } else {
       arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
       const int thread_idx = int(threadIdx.x) - 128;

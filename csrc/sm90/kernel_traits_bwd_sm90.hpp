@@ -7,8 +7,10 @@
 //   dP^T = V_k dO_q^T           (SS)      dS^T = P^T * (dP^T - D[q])
 //   dV_k += P^T dO_q            (RS: P^T stays in registers, dO read through an MN-major view)
 //   dK_k += dS^T Q_q            (RS)
-// and then, with both warpgroups' dS in shared memory, dQ_q += dS_q K (SS, the warpgroups split head_dim),
-// added to an fp32 buffer with atomics; the post-pass scales and converts it.
+// and then, with both warpgroups' dS in shared memory, dQ_q = dS_q K (SS, the warpgroups split head_dim).
+// dQ_q goes to shared memory in the accumulator's register order and a warp of the producer warpgroup adds
+// it to an fp32 buffer with one bulk reduce-add per warpgroup (cp.reduce.async.bulk), off the MMA warps'
+// critical path; the post-pass undoes the order, scales and converts.
 // Working in the transposed (keys x queries) orientation puts P^T and dS^T in the accumulator layout
 // that the RS GEMMs for dV and dK take as their A operand, so neither needs a shared-memory round trip.
 #pragma once
@@ -83,6 +85,9 @@ struct BwdTraitsSm90 {
   using PipelineQdO = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename PipelineQdO::PipelineState;
 
+  static constexpr int kdQChunk = kBlockM * kHeadDim / kNumMmaWarpGroups;  // floats per warpgroup per step
+  static_assert(kdQChunk % (4 * 128) == 0, "each thread's dQ fragment must be whole float4s");
+
   static constexpr uint32_t kTmaBytesKV = 2 * kBlockN * kHeadDim * sizeof(Element);
   static constexpr uint32_t kTmaBytesQdO = 2 * kBlockM * kHeadDim * sizeof(Element) + 2 * kBlockM * sizeof(float);
 
@@ -92,6 +97,9 @@ struct BwdTraitsSm90 {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdO>> dout;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdS>> ds;
+    // dQ of one query block: warpgroup w's half is floats [w * kdQChunk, (w + 1) * kdQChunk), float4 i of
+    // thread t at i * 128 + t (16-byte stores, no bank conflicts), the order the post-pass expects.
+    alignas(128) cute::array_aligned<float, kBlockM * kHeadDim> dq;
     alignas(128) cute::array_aligned<float, cosize_v<SmemLayoutRow>> lse_log2;  // TMA destinations: 128 B
     alignas(128) cute::array_aligned<float, cosize_v<SmemLayoutRow>> dpsum;
     alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_kv;

@@ -91,4 +91,39 @@ enum class FwdBarrier : int {
   kWarpGroup1 = 3,  // ping-pong: consumer warpgroup 1 may issue its GEMMs
 };
 
+enum class BwdBarrier : int {
+  kdS = 1,        // both consumer warpgroups: dS of this step is in shared memory
+  kdQEmpty0 = 2,  // consumer warpgroup w (+ w) and the dQ writer warp: its dQ smem chunk may be overwritten
+  kdQFull0 = 4,   // consumer warpgroup w (+ w) and the dQ writer warp: its dQ smem chunk is complete
+};
+
+// Bulk (non-tensor) asynchronous reduce-add of `bytes` (multiple of 16, both addresses 16-byte aligned)
+// fp32 values from shared to global memory, performed at L2; completion tracked by bulk async-groups.
+CUTE_DEVICE void bulk_reduce_add_f32(float* gmem, const float* smem, int bytes) {
+  const uint32_t src = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(gmem), "r"(src),
+               "r"(bytes)
+               : "memory");
+}
+CUTE_DEVICE void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// Until at most N groups still read their shared-memory source.
+template <int N>
+CUTE_DEVICE void bulk_wait_group_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+// Until every group has completed, global writes included.
+CUTE_DEVICE void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
+// gpu-scope acquire load / release increment of a counter that orders work between CTAs. The proxy fences
+// order those generic-proxy accesses with the async-proxy (bulk copy) writes they guard.
+CUTE_DEVICE int load_acquire_gpu(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+CUTE_DEVICE void release_increment_gpu(int* p) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(p) : "memory");
+}
+CUTE_DEVICE void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+
 }  // namespace flash4
