@@ -17,11 +17,13 @@ build:  ## compile flash_attn4/_C in place, for working from the source tree
 test:  ## the README's test command; GPU tests skip (with the reason) without a GPU and built kernels
 	$(PYTHON) -m pytest -q tests
 
-bench:  ## full ANCHORS grid -> benchmarks/results/<gpu>_fwd.json + .png
+bench:  ## full ANCHORS grid, forward and backward -> benchmarks/results/<gpu>_{fwd,bwd}.json + .png
 	$(PYTHON) benchmarks/bench_fwd.py $(BENCH_ARGS)
+	$(PYTHON) benchmarks/bench_fwd.py --bwd $(BENCH_ARGS)
 
-bench-quick:  ## hdim 64/128/256 x seqlen 4096/8192 x causal both
+bench-quick:  ## hdim 64/128/256 x seqlen 4096/8192 x causal both, forward and backward
 	$(PYTHON) benchmarks/bench_fwd.py --quick $(BENCH_ARGS)
+	$(PYTHON) benchmarks/bench_fwd.py --quick --bwd $(BENCH_ARGS)
 
 gpu-check:  ## build + tests + quick bench on a GPU machine without network; logs in $$OUT or build/gpu_check
 	bash scripts/gpu_check.sh

@@ -1,12 +1,15 @@
-"""Forward attention benchmark over the ANCHORS.md grid, ours against the SDPA backends and flash-attn-4.
+"""Attention benchmark over the ANCHORS.md grid, ours against the SDPA backends and flash-attn-4.
 
     python3 benchmarks/bench_fwd.py                # full grid, writes benchmarks/results/<gpu>_fwd.json/.png
+    python3 benchmarks/bench_fwd.py --bwd          # the backward: <gpu>_bwd.json/.png
     python3 benchmarks/bench_fwd.py --quick        # hdim 64/128/256 x seqlen 4096/8192 x causal both
     python3 benchmarks/bench_fwd.py --hdims 128 --seqlens 8192 --causal 1 --impls flash_attn4,sdpa_cudnn
 
 Shapes follow the FlashAttention papers: batch * seqlen = 16384 tokens, nheads * headdim = 2048, q/k/v of
-equal shape, random normal inputs. FLOPs = 4 * b * h * s^2 * d, halved when causal. Times are do_bench
-medians (CUDA-event medians when triton is missing); only the attention call is timed.
+equal shape, random normal inputs. Forward FLOPs = 4 * b * h * s^2 * d, halved when causal; backward
+FLOPs = 2.5x that. Times are do_bench medians (CUDA-event medians when triton is missing). Forward: only
+the attention call is timed. Backward: only the gradient computation, `torch.autograd.grad(out, (q, k, v),
+dout)` on a graph recorded once (retain_graph), so no forward is inside the timed call.
 """
 
 from __future__ import annotations
@@ -44,9 +47,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="hdim 64/128/256 x seqlen 4096/8192 x causal both")
     ap.add_argument("--impls", default=",".join(IMPLS), help=f"comma list from {','.join(IMPLS)}")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--bwd", action="store_true", help="time the backward instead of the forward")
+    ap.add_argument("--deterministic", action="store_true", help="flash_attn4 with deterministic=True")
     ap.add_argument("--warmup", type=int, default=25, help="do_bench warmup (ms)")
     ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time (ms)")
-    ap.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/<gpu>_fwd.json)")
+    ap.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/<gpu>_{fwd,bwd}.json)")
     ap.add_argument("--plot", type=Path, help="PNG path (default: the JSON path with .png)")
     args = ap.parse_args(argv)
     if args.quick:
@@ -99,34 +104,48 @@ def _import_flash_attn4() -> None:
     print(f"flash_attn4 from {sys.modules['flash_attn4'].__file__}", file=sys.stderr)
 
 
-def make_impl(name: str, q, k, v, causal: bool) -> tuple[Callable[[], object], object]:
+def make_impl(name: str, q, k, v, causal: bool, bwd: bool = False, deterministic: bool = False):
     """(fn, context manager to hold while timing) for one impl; raises when it cannot run.
 
     q, k, v are (b, s, h, d) contiguous. SDPA wants (b, h, s, d): it gets its own contiguous copies, made
-    here, so no transpose or copy lands inside the timed call.
+    here, so no transpose or copy lands inside the timed call. With bwd, fn computes the gradients of one
+    recorded forward (made here, under the same context) for a fixed random dout.
     """
     import contextlib
 
     if name == "flash_attn4":
-        from flash_attn4 import _build_info
+        from flash_attn4 import _build_info, attn
 
         ok, why = _build_info.kernel_available(q.device, q.dtype, q.shape[-1])
+        if ok and bwd and _build_info.backward_padded_hdim(q.dtype, q.shape[-1]) is None:
+            ok, why = False, f"no backward kernel for head dim {q.shape[-1]} yet"
         if not ok:
             raise RuntimeError(f"kernel unavailable: {why}")
-        op, scale = torch.ops.flash_attn4.fwd, q.shape[-1] ** -0.5
-        return (lambda: op(q, k, v, scale, causal, -1, -1, 0.0)), contextlib.nullcontext()
-    if name == "fa4_cute":
+        fwd = lambda q, k, v: attn(q, k, v, causal=causal, deterministic=deterministic)  # noqa: E731
+        layout, ctx = (lambda t: t), contextlib.nullcontext()
+    elif name == "fa4_cute":
         from flash_attn.cute import flash_attn_func
 
-        return (lambda: flash_attn_func(q, k, v, causal=causal)), contextlib.nullcontext()
-    if name in ("sdpa_cudnn", "sdpa_flash"):
+        fwd = lambda q, k, v: flash_attn_func(q, k, v, causal=causal)  # noqa: E731
+        layout, ctx = (lambda t: t), contextlib.nullcontext()
+    elif name in ("sdpa_cudnn", "sdpa_flash"):
         from torch.nn.attention import SDPBackend, sdpa_kernel
         from torch.nn.functional import scaled_dot_product_attention as sdpa
 
         backend = SDPBackend.CUDNN_ATTENTION if name == "sdpa_cudnn" else SDPBackend.FLASH_ATTENTION
-        qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
-        return (lambda: sdpa(qt, kt, vt, is_causal=causal)), sdpa_kernel(backend)
-    raise ValueError(name)
+        fwd = lambda q, k, v: sdpa(q, k, v, is_causal=causal)  # noqa: E731
+        layout, ctx = (lambda t: t.transpose(1, 2).contiguous()), sdpa_kernel(backend)
+    else:
+        raise ValueError(name)
+    q, k, v = (layout(t) for t in (q, k, v))
+    if not bwd:
+        return (lambda: fwd(q, k, v)), ctx
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    with ctx:
+        out = fwd(q, k, v)
+        out = out[0] if isinstance(out, tuple) else out  # flash_attn.cute returns (out, lse)
+    dout = torch.randn_like(out)
+    return (lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)), ctx
 
 
 def available_impls(requested: list[str]) -> list[str]:
@@ -165,24 +184,30 @@ def run(args: argparse.Namespace) -> list[dict]:
         "date": datetime.date.today().isoformat(),
     }
     records = []
-    bar = tqdm(grid, desc="fwd", unit="shape") if tqdm else grid
+    direction = "bwd" if args.bwd else "fwd"
+    bar = tqdm(grid, desc=direction, unit="shape") if tqdm else grid
     for i, (hdim, seqlen, causal) in enumerate(bar):
         if tqdm is None:
             print(f"[{i + 1}/{len(grid)}] hdim={hdim} seqlen={seqlen} causal={causal}", flush=True)
         batch, nheads = max(1, TOKENS // seqlen), WIDTH // hdim
         q, k, v = (torch.randn(batch, seqlen, nheads, hdim, dtype=dtype, device="cuda") for _ in "qkv")
-        flops = 4 * batch * nheads * seqlen * seqlen * hdim / (2 if causal else 1)
+        flops = 4 * batch * nheads * seqlen * seqlen * hdim / (2 if causal else 1) * (2.5 if args.bwd else 1)
         for impl in args.impls:
             rec = {"impl": impl, "hdim": hdim, "seqlen": seqlen, "causal": causal, "batch": batch}
             rec.update(nheads=nheads, **meta)
+            if impl == "flash_attn4" and args.deterministic:
+                rec["deterministic"] = True
+            fn = None
             try:
-                fn, ctx = make_impl(impl, q, k, v, causal)
+                fn, ctx = make_impl(impl, q, k, v, causal, args.bwd, args.deterministic)
                 with ctx:
                     ms = bench_ms(fn, args.warmup, args.rep)
-                rec.update(fwd_ms=ms, fwd_tflops=flops / (ms * 1e-3) / 1e12)
+                rec.update({f"{direction}_ms": ms, f"{direction}_tflops": flops / (ms * 1e-3) / 1e12})
             except Exception as e:  # one impl failing on one shape must not end the sweep
-                rec.update(fwd_ms=None, fwd_tflops=None, error=f"{type(e).__name__}: {e}"[:500])
+                rec.update({f"{direction}_ms": None, f"{direction}_tflops": None})
+                rec["error"] = f"{type(e).__name__}: {e}"[:500]
             records.append(rec)
+            del fn  # frees a recorded backward graph before the next impl allocates its own
         del q, k, v
         torch.cuda.empty_cache()
     return records
@@ -196,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     _import_flash_attn4()
     args.impls = available_impls(args.impls)
     records = run(args)
-    out = args.out or RESULTS / f"{gpu_slug(torch.cuda.get_device_name())}_fwd.json"
+    direction = "bwd" if args.bwd else "fwd"
+    out = args.out or RESULTS / f"{gpu_slug(torch.cuda.get_device_name())}_{direction}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(records, indent=1) + "\n")
     print(format_table(records))
@@ -209,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plot: {png}")
     except ImportError as e:
         print(f"no plot ({e}); pip install matplotlib")
-    ok = [r for r in records if r.get("fwd_tflops") is not None and not math.isnan(r["fwd_tflops"])]
+    key = f"{direction}_tflops"
+    ok = [r for r in records if r.get(key) is not None and not math.isnan(r[key])]
     return 0 if ok else 1
 
 

@@ -1,9 +1,10 @@
-"""Plot and tabulate forward benchmark records (benchmarks/results/*.json).
+"""Plot and tabulate benchmark records (benchmarks/results/*.json).
 
     python3 benchmarks/plot.py benchmarks/results/h200_fwd.json [--out plot.png] [--table-only]
 
-A record is a dict with impl, hdim, seqlen, causal, batch, nheads, dtype, fwd_ms, fwd_tflops (and error
-when that impl failed on that shape). Records of one file come from one run, so ratios are meaningful.
+A record is a dict with impl, hdim, seqlen, causal, batch, nheads, dtype, and fwd_ms/fwd_tflops (forward
+runs) or bwd_ms/bwd_tflops (backward runs), and error when that impl failed on that shape. Records of one
+file come from one run, so ratios are meaningful.
 """
 
 from __future__ import annotations
@@ -22,12 +23,18 @@ def _impls(records: list[dict]) -> list[str]:
     return [i for i in IMPL_ORDER if i in names] + sorted(names - set(IMPL_ORDER))
 
 
+def metric(records: list[dict]) -> str:
+    """'bwd' for backward records, else 'fwd'."""
+    return "bwd" if any("bwd_tflops" in r for r in records) else "fwd"
+
+
 def _tflops(records: list[dict]) -> dict[tuple, float]:
-    """(impl, hdim, seqlen, causal) -> fwd TFLOP/s, successful measurements only."""
+    """(impl, hdim, seqlen, causal) -> TFLOP/s of the records' metric, successful measurements only."""
+    key = f"{metric(records)}_tflops"
     return {
-        (r["impl"], r["hdim"], r["seqlen"], bool(r["causal"])): r["fwd_tflops"]
+        (r["impl"], r["hdim"], r["seqlen"], bool(r["causal"])): r[key]
         for r in records
-        if r.get("fwd_tflops") is not None
+        if r.get(key) is not None
     }
 
 
@@ -50,7 +57,8 @@ def format_table(records: list[dict]) -> str:
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
     lines = ["  ".join(x.rjust(w) for x, w in zip(line, widths)) for line in [head, *rows]]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines) + "\n(fwd TFLOP/s, 4*b*h*s*s*d FLOPs, halved when causal)"
+    flops = "4*b*h*s*s*d" if metric(records) == "fwd" else "2.5 * 4*b*h*s*s*d"
+    return "\n".join(lines) + f"\n({metric(records)} TFLOP/s, {flops} FLOPs, halved when causal)"
 
 
 def plot_records(records: list[dict], path: str | Path, title: str = "") -> Path:
@@ -77,7 +85,7 @@ def plot_records(records: list[dict], path: str | Path, title: str = "") -> Path
             ax.set_xscale("log", base=2)
             ax.set_title(f"hdim {h}, {'causal' if c else 'non-causal'}")
             ax.set_xlabel("seqlen")
-            ax.set_ylabel("fwd TFLOP/s")
+            ax.set_ylabel(f"{metric(records)} TFLOP/s")
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=8)
     # Shared y from 0 to the best result: set once, after plotting (an early set_ylim freezes autoscale).
@@ -94,7 +102,7 @@ def plot_records(records: list[dict], path: str | Path, title: str = "") -> Path
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("json", help="results file written by bench_fwd.py")
+    ap.add_argument("json", help="results file written by bench_fwd.py (forward or --bwd)")
     ap.add_argument("--out", help="PNG path (default: the JSON path with .png)")
     ap.add_argument("--table-only", action="store_true", help="print the table, do not plot")
     args = ap.parse_args()

@@ -3,6 +3,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -125,9 +126,10 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
 // Gradients of fwd: writes dq (like q), dk and dv (like k and v; summed over each GQA group's query heads).
 // Uses fp32 scratch allocated here (dq_accum, D, lse in log2 units), rows padded to a multiple of 128.
 // deterministic: key blocks add into dq in a fixed order (bitwise-reproducible dq; dk and dv always are).
+// dlse: gradient of lse (return_lse), or None for zero.
 void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
          const at::Tensor& out, const at::Tensor& lse, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
-         double softmax_scale, bool causal, bool deterministic) {
+         double softmax_scale, bool causal, bool deterministic, const std::optional<at::Tensor>& dlse) {
   using TensorList = std::initializer_list<const at::Tensor*>;
   for (const at::Tensor* t : TensorList{&dout, &q, &k, &v, &out, &lse, &dq, &dk, &dv}) {
     TORCH_CHECK(t->is_cuda() && t->device() == q.device(), "flash_attn4: all tensors must be on q's CUDA device");
@@ -155,6 +157,11 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
                   lse.size(1) == nheads_q && lse.size(2) == seqlen_q,
               "flash_attn4: lse must be the forward's contiguous float32 (batch, nheads_q, seqlen_q) tensor");
   TORCH_CHECK(seqlen_q >= 1 && seqlen_k >= 1 && batch >= 1, "flash_attn4: empty inputs are handled in Python");
+  if (dlse.has_value()) {
+    TORCH_CHECK(dlse->is_cuda() && dlse->device() == q.device() && dlse->scalar_type() == at::kFloat &&
+                    dlse->is_contiguous() && dlse->sizes() == lse.sizes(),
+                "flash_attn4: dlse must be a contiguous float32 tensor shaped like lse, on q's device");
+  }
   TORCH_CHECK(batch <= 65535 && nheads_q <= 65535, "flash_attn4: batch and nheads_q must be <= 65535");
   check_tma_layout(q, "q");
   check_tma_layout(k, "k");
@@ -191,6 +198,7 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
   p.out_batch_stride = out.stride(0), p.out_row_stride = out.stride(1), p.out_head_stride = out.stride(2);
   p.dout_batch_stride = dout.stride(0), p.dout_row_stride = dout.stride(1), p.dout_head_stride = dout.stride(2);
   p.lse = lse.data_ptr<float>();
+  p.dlse = dlse.has_value() ? dlse->data_ptr<float>() : nullptr;
   p.dq = dq.data_ptr(), p.dk = dk.data_ptr(), p.dv = dv.data_ptr();
   p.dq_batch_stride = dq.stride(0), p.dq_row_stride = dq.stride(1), p.dq_head_stride = dq.stride(2);
   p.dk_batch_stride = dk.stride(0), p.dk_row_stride = dk.stride(1), p.dk_head_stride = dk.stride(2);
@@ -224,6 +232,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("lse"), py::arg("softmax_scale"), py::arg("causal"));
   m.def("bwd", &bwd, "Attention backward into preallocated dq/dk/dv", py::arg("dout"), py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
-        py::arg("softmax_scale"), py::arg("causal"), py::arg("deterministic") = false);
+        py::arg("softmax_scale"), py::arg("causal"), py::arg("deterministic") = false, py::arg("dlse") = py::none());
   m.def("compiled_kernels", &compiled_kernels, "Names of the kernel instantiations in this build");
 }

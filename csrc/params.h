@@ -58,6 +58,9 @@ struct BwdParams {
   int64_t out_batch_stride = 0, out_row_stride = 0, out_head_stride = 0;
   int64_t dout_batch_stride = 0, dout_row_stride = 0, dout_head_stride = 0;
   const float* lse = nullptr;  // (batch, nheads_q, seqlen_q), natural log, from the forward
+  // Gradient of lse, (batch, nheads_q, seqlen_q) contiguous, or null for zero. Since d lse / d s_ij = P_ij,
+  // it enters as dS = P * (dP - (D - dlse)): the pre-pass folds it into D.
+  const float* dlse = nullptr;
 
   // Outputs: dq like q, dk/dv like k/v (summed over the query heads of a GQA group).
   void* dq = nullptr;
@@ -72,7 +75,7 @@ struct BwdParams {
   //            block of kBlockM rows the kernel may store elements in its own order (the sm90 kernel keeps
   //            its accumulator's register order so a whole block is one bulk reduce-add); the post-pass
   //            that matches the kernel undoes it;
-  //   dpsum    (batch, nheads_q, seqlen_q_rounded) fp32: D = rowsum(dout * out);
+  //   dpsum    (batch, nheads_q, seqlen_q_rounded) fp32: D = rowsum(dout * out) - dlse;
   //   lse_log2 (batch, nheads_q, seqlen_q_rounded) fp32: lse * log2(e), +inf for rows that see no key and
   //            for padding rows, so that exp2(s * scale_log2 - lse_log2) is 0 there instead of NaN.
   float* dq_accum = nullptr;

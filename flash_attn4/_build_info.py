@@ -111,3 +111,22 @@ def kernel_available(device: torch.device, dtype: torch.dtype, hdim: int) -> tup
             f"served by padding); rebuild with FLASH_ATTN4_HDIMS including {hdim}: {_REBUILD_HINT}"
         )
     return True, ""
+
+
+@functools.cache
+def backward_hdims(dtype_key: str) -> tuple[int, ...]:
+    """Head dims with a compiled backward kernel for dtype 'bf16'/'fp16' (from the extension's list)."""
+    ext, _ = load_extension()
+    if ext is None:
+        return ()
+    prefix = f"bwd_sm90_{dtype_key}_hdim"
+    names = [n for n in ext.compiled_kernels() if n.startswith(prefix)]
+    return tuple(sorted({int(n[len(prefix) :].split("_")[0]) for n in names}))
+
+
+def backward_padded_hdim(dtype: torch.dtype, hdim: int) -> int | None:
+    """Smallest head dim >= `hdim` with a compiled backward kernel (zero padding as for the forward)."""
+    name = dtype_name(dtype)
+    if name is None or hdim <= 0 or hdim % 8 != 0:
+        return None
+    return next((h for h in backward_hdims(name) if h >= hdim), None)

@@ -1,8 +1,9 @@
 """torch.library custom ops: the one autograd path.
 
-    flash_attn4::fwd(q, k, v, softmax_scale, causal, window_left, window_right, softcap) -> (out, lse)
-    flash_attn4::bwd(dout, dlse, q, k, v, out, lse, softmax_scale, causal, window_left, window_right,
-                     softcap) -> (dq, dk, dv)
+    flash_attn4::fwd(q, k, v, softmax_scale, causal, window_left, window_right, softcap, deterministic)
+        -> (out, lse)
+    flash_attn4::bwd(dout, dlse?, q, k, v, out, lse, softmax_scale, causal, window_left, window_right,
+                     softcap, deterministic) -> (dq, dk, dv)
 
 Both have fake (meta) implementations, so torch.compile(fullgraph=True) and CUDA-graph capture trace
 through them. Each call goes to the compiled kernel when one can serve it (see `_kernel_plan`), else to
@@ -134,15 +135,16 @@ def bwd_into(
     dv: Tensor,
     softmax_scale: float,
     causal: bool,
+    deterministic: bool = False,
+    dlse: Optional[Tensor] = None,
 ) -> None:
-    """Run the compiled sm90 backward kernel, writing dq, dk and dv (dlse taken as zero).
-
-    Not yet reached from autograd: the `bwd` op keeps raising NotImplementedError on the kernel path until
-    tests/test_bwd_gpu.py has passed on an H200. Head dims: the built backward ones exactly (no padding).
+    """Run the compiled sm90 backward kernel, writing dq, dk and dv.
 
     Args:
         dout, out: (batch, seqlen_q, nheads_q, headdim) like q; lse: the forward's (batch, nheads_q,
             seqlen_q) float32. dq: like q, dk/dv: like k/v, contiguous; written.
+        deterministic: bitwise-reproducible dq (key blocks add into it in a fixed order; slower).
+        dlse: gradient of lse (same shape), or None for zero.
     """
     ext, why = _build_info.load_extension()
     if ext is None or not hasattr(ext, "bwd"):
@@ -150,6 +152,17 @@ def bwd_into(
     for name, t, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         if t.shape != like.shape or t.dtype != like.dtype or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous {like.dtype} tensor of shape {tuple(like.shape)}")
+    d = q.shape[-1]
+    dpad = _build_info.backward_padded_hdim(q.dtype, d)
+    if dpad is None:
+        raise ValueError(f"head dim {d} has no built backward kernel for {q.dtype}")
+    if dpad != d:
+        # As in fwd_into: zero columns change no score; the padded gradient columns are dropped.
+        pad = (0, dpad - d)
+        dout, q, k, v, out = (torch.nn.functional.pad(t, pad) for t in (dout, q, k, v, out))
+        dq_k, dk_k, dv_k = (t.new_empty(*t.shape) for t in (q, k, v))
+    else:
+        dq_k, dk_k, dv_k = dq, dk, dv
     ext.bwd(
         _tma_ready(dout),
         _tma_ready(q),
@@ -157,12 +170,18 @@ def bwd_into(
         _tma_ready(v),
         _tma_ready(out),
         lse.contiguous(),
-        dq,
-        dk,
-        dv,
+        dq_k,
+        dk_k,
+        dv_k,
         float(softmax_scale),
         bool(causal),
+        bool(deterministic),
+        None if dlse is None else dlse.float().contiguous(),
     )
+    if dpad != d:
+        dq.copy_(dq_k[..., :d])
+        dk.copy_(dk_k[..., :d])
+        dv.copy_(dv_k[..., :d])
 
 
 def _reference_fwd(
@@ -194,8 +213,11 @@ def fwd(
     window_left: int,
     window_right: int,
     softcap: float,
+    deterministic: bool,
 ) -> tuple[Tensor, Tensor]:
     """Forward. q (b, sq, hq, d), k/v (b, sk, hk, d) -> out (b, sq, hq, d) q.dtype, lse (b, hq, sq) fp32.
+
+    `deterministic` does not change the forward (always deterministic); autograd hands it to `bwd`.
 
     Inputs are assumed validated (`interface.attn` does that). lse is float32, except float64 for
     float64 inputs (CPU reference only), so that gradcheck can check gradients through lse.
@@ -213,7 +235,7 @@ def fwd(
 
 
 @fwd.register_fake
-def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap):
+def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap, deterministic):
     b, sq, hq, d = q.shape
     return q.new_empty(b, sq, hq, d), torch.empty(b, hq, sq, dtype=_lse_dtype(q.dtype), device=q.device)
 
@@ -221,7 +243,7 @@ def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap
 @torch.library.custom_op("flash_attn4::bwd", mutates_args=())
 def bwd(
     dout: Tensor,
-    dlse: Tensor,
+    dlse: Optional[Tensor],
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -232,22 +254,28 @@ def bwd(
     window_left: int,
     window_right: int,
     softcap: float,
+    deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Backward. dout (b, sq, hq, d), dlse (b, hq, sq) -> dq like q, dk like k, dv like v.
+    """Backward. dout (b, sq, hq, d), dlse (b, hq, sq) or None -> dq like q, dk like k, dv like v.
 
-    On the reference path this is `reference.attention_bwd_ref` (float32 math, float64 for float64 inputs),
-    the exact gradient with respect to both outputs: gradients through lse are right too. (It is written
-    out rather than taken with torch.func.vjp, which breaks under dispatch modes such as opcheck's schema
-    check.) `out` and `lse` are what the kernel backward will use; the reference recomputes them.
+    Gradients through lse are exact on both paths. The CUDA path is the sm90 backward kernel (recomputes
+    P from q, k and the saved lse); `deterministic` makes its dq bitwise reproducible. Otherwise (CPU,
+    options or head dims without a backward kernel) `reference.attention_bwd_ref` runs (float32 math,
+    float64 for float64 inputs; written out rather than taken with torch.func.vjp, which breaks under
+    dispatch modes such as opcheck's schema check), with a one-time warning on CUDA.
     """
-    kernel_causal, _ = _kernel_plan(q, k, causal, window_left, window_right, softcap)
+    kernel_causal, why = _kernel_plan(q, k, causal, window_left, window_right, softcap)
     if kernel_causal is not None:
-        raise NotImplementedError(
-            "flash_attn4: the Hopper backward kernel is not implemented yet (tracked as the 'Hopper "
-            "backward' issue); the forward ran on the CUDA kernel, so its gradient is not available. "
-            "Run under torch.no_grad() / detach the inputs for inference, or use CPU tensors (the reference "
-            "path) when you need gradients."
+        if _build_info.backward_padded_hdim(q.dtype, q.shape[-1]) is not None:
+            dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+            bwd_into(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, kernel_causal, deterministic, dlse)
+            return dq, dk, dv
+        _warn_once(
+            f"head dim {q.shape[-1]} has a forward kernel but no backward kernel yet (backward head dims: "
+            f"{_build_info.backward_hdims(_build_info.dtype_name(q.dtype))}); the gradient is computed there"
         )
+    elif why and q.is_cuda:
+        _warn_once(why)
     grads = reference.attention_bwd_ref(
         dout,
         q,
@@ -263,23 +291,25 @@ def bwd(
 
 
 @bwd.register_fake
-def _bwd_fake(dout, dlse, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap):
+def _bwd_fake(dout, dlse, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap, det):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, softmax_scale, causal, window_left, window_right, softcap = inputs
+    q, k, v, softmax_scale, causal, window_left, window_right, softcap, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.args = (softmax_scale, causal, window_left, window_right, softcap)
+    ctx.args = (softmax_scale, causal, window_left, window_right, softcap, deterministic)
+    # An unused output (lse, usually) then arrives as None instead of a tensor of zeros: the kernel skips
+    # the dlse term instead of reading zeros.
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout: Optional[Tensor], dlse: Optional[Tensor]):
     q, k, v, out, lse = ctx.saved_tensors
     dout = torch.zeros_like(out) if dout is None else dout
-    dlse = torch.zeros_like(lse) if dlse is None else dlse
     dq, dk, dv = bwd(dout, dlse, q, k, v, out, lse, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -151,21 +151,23 @@ def attn(
             [i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right]. causal=True is right = 0.
         softcap: c > 0 replaces each scaled score s by c * tanh(s / c).
         return_lse: also return the log-sum-exp.
-        deterministic: accepted for FlashAttention compatibility. The forward is always deterministic and
-            so is the reference backward; it will select the deterministic CUDA backward once that exists.
+        deterministic: make the backward bitwise reproducible (the CUDA kernel then adds the key blocks'
+            contributions to dq in a fixed order, which costs some speed, most with causal). The forward
+            and the reference backward are always deterministic.
 
     Returns:
         out: (batch, seqlen_q, nheads_q, headdim), q's dtype; and, with return_lse,
         lse: (batch, nheads_q, seqlen_q) float32, natural log. A row that sees no key has out = 0, lse = -inf.
 
-    The inputs are never modified. Gradients flow to q, k, v (and through lse) on the reference path; on
-    the CUDA kernel path the backward raises NotImplementedError until the Hopper backward kernel lands.
+    The inputs are never modified. Gradients flow to q, k, v (and through lse): on Hopper through the
+    sm90 backward kernel (head dims up to 128 so far; larger ones and the options the kernels lack fall back
+    to the PyTorch reference with a warning), elsewhere through the reference.
     """
     _validate_tensors(q, k, v)
     softmax_scale, left, right, softcap = _validate_options(
         q.shape[-1], causal, softmax_scale, window_size, softcap, return_lse, deterministic
     )
-    out, lse = torch.ops.flash_attn4.fwd(q, k, v, softmax_scale, causal, left, right, softcap)
+    out, lse = torch.ops.flash_attn4.fwd(q, k, v, softmax_scale, causal, left, right, softcap, deterministic)
     return (out, lse) if return_lse else out
 
 

@@ -6,9 +6,10 @@
 # Wheels carried in .whl/ (git-ignored) stand in for PyPI: nvidia_cutlass-*.whl gives the CUTLASS headers
 # (setup.py finds them through `cutlass_library`, or CUTLASS_INCLUDE_DIR), ninja-*.whl a parallel build.
 # Logs, the benchmark JSON/PNG and summary.txt go to $OUT (the device tool's return folder) or
-# build/gpu_check; at most 8 files so that all of them come back.
+# build/gpu_check; at most 10 files so that all of them come back.
 #
 # Env: SKIP_BUILD=1 (reuse flash_attn4/_C*.so), MAX_JOBS (default 16), TEST_ARGS (extra pytest args),
+#      TEST_TIMEOUT (seconds for the test suite, default 420),
 #      BENCH_ARGS (default --quick), FLASH_ATTN4_HDIMS / FLASH_ATTN4_DTYPES (passed to setup.py).
 set -uo pipefail  # not -e: a failing build or test must still reach the summary
 export PYTHONUNBUFFERED=1
@@ -49,7 +50,8 @@ note "build: ${build_s}$([[ $build_s == skipped ]] || echo s) (rc $build_rc, MAX
 
 # 3. The whole test suite (not -x: every failure is worth seeing).
 # shellcheck disable=SC2086  # TEST_ARGS is a list of words
-$PY -m pytest -q tests ${TEST_ARGS:-} 2>&1 | tee "$LOG/test.log"
+# A deadlocked kernel must not eat the whole device slot: the suite gets TEST_TIMEOUT seconds (default 420).
+timeout "${TEST_TIMEOUT:-420}" $PY -m pytest -q tests ${TEST_ARGS:-} 2>&1 | tee "$LOG/test.log"
 test_rc=$?
 note "tests: $(grep -E '(passed|failed|skipped|error|no tests ran).* in [0-9.]+s' "$LOG/test.log" | tail -n 1) (rc $test_rc)"
 
@@ -57,12 +59,15 @@ note "tests: $(grep -E '(passed|failed|skipped|error|no tests ran).* in [0-9.]+s
 # shellcheck disable=SC2086
 $PY benchmarks/bench_fwd.py ${BENCH_ARGS:---quick} --out "$LOG/bench_fwd.json" 2>&1 | tee "$LOG/bench.log"
 bench_rc=$?
+# shellcheck disable=SC2086
+$PY benchmarks/bench_fwd.py --bwd ${BENCH_ARGS:---quick} --out "$LOG/bench_bwd.json" 2>&1 | tee -a "$LOG/bench.log"
+bench_rc=$((bench_rc | $?))
 note "bench: rc $bench_rc (log $LOG/bench.log)"
 
 echo
 echo "================ summary ================"
 cat "$SUMMARY"
-if [[ -f "$LOG/bench_fwd.json" ]]; then
-  $PY benchmarks/plot.py "$LOG/bench_fwd.json" --table-only | tee -a "$SUMMARY"
-fi
+for f in "$LOG/bench_fwd.json" "$LOG/bench_bwd.json"; do
+  [[ -f $f ]] && $PY benchmarks/plot.py "$f" --table-only | tee -a "$SUMMARY"
+done
 ((build_rc == 0 && test_rc == 0))

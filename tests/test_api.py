@@ -10,7 +10,7 @@ import torch
 
 import flash_attn4
 from flash_attn4 import _build_info, _ops, attn, interface
-from flash_attn4.reference import attention_ref
+from flash_attn4.reference import attention_bwd_ref, attention_ref
 
 
 def _qkv(b=2, sq=5, sk=7, hq=4, hk=2, d=16, dtype=torch.float32, **kw):
@@ -249,6 +249,25 @@ class FakeExt:
         lse.copy_(ref_lse)
         self.calls.append({"q": q, "k": k, "v": v, "scale": softmax_scale, "causal": causal})
 
+    def bwd(self, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, deterministic, dlse):
+        assert isinstance(softmax_scale, float) and isinstance(causal, bool)
+        assert isinstance(deterministic, bool)
+        for t in (dout, q, k, v, out):
+            assert t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1]) and t.data_ptr() % 16 == 0
+            assert t.shape[-1] in (64, 128)  # the fake's backward head dims (compiled_kernels)
+        for g, like in ((dq, q), (dk, k), (dv, v)):
+            assert g.shape == like.shape and g.dtype == like.dtype and g.is_contiguous()
+        assert lse.dtype == torch.float32 and lse.is_contiguous()
+        assert dlse is None or (dlse.shape == lse.shape and dlse.dtype == torch.float32)
+        grads = attention_bwd_ref(dout, q, k, v, dlse=dlse, causal=causal, softmax_scale=softmax_scale)
+        for g, r in zip((dq, dk, dv), grads):
+            g.copy_(r)
+        self.calls.append({"bwd": True, "q": q, "deterministic": deterministic, "dlse": dlse})
+
+    def compiled_kernels(self):
+        kinds = [(t, h, c) for t in ("bf16", "fp16") for h in (64, 128) for c in ("causal", "noncausal")]
+        return [f"bwd_sm90_{t}_hdim{h}_{c}" for t, h, c in kinds]
+
 
 @pytest.fixture
 def fake_ext(monkeypatch):
@@ -256,7 +275,9 @@ def fake_ext(monkeypatch):
     monkeypatch.setattr(_build_info, "load_extension", lambda: (ext, ""))
     monkeypatch.setattr(_build_info, "HDIMS", (64, 96, 128))
     monkeypatch.setattr(_build_info, "kernel_available", lambda device, dtype, hdim: (True, ""))
-    return ext
+    _build_info.backward_hdims.cache_clear()
+    yield ext
+    _build_info.backward_hdims.cache_clear()
 
 
 def _poisoned(q):
@@ -314,12 +335,39 @@ def test_fwd_into_rejects_bad_outputs(fake_ext):
         _ops.fwd_into(q, k, v, out, lse.transpose(1, 2).contiguous(), 0.1, False)
 
 
-def test_kernel_path_forward_and_backward_not_implemented(fake_ext):
-    q, k, v = _qkv(sq=6, sk=9, d=64, dtype=torch.bfloat16, requires_grad=True)
-    out = attn(q, k, v, causal=True)
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("hdim", [64, 40])
+def test_kernel_path_backward_goes_to_bwd_kernel(fake_ext, deterministic, hdim):
+    q, k, v = _qkv(sq=6, sk=9, d=hdim, dtype=torch.bfloat16, requires_grad=True)
+    out, lse = attn(q, k, v, causal=True, return_lse=True, deterministic=deterministic)
     assert fake_ext.calls and fake_ext.calls[-1]["causal"] is True
-    with pytest.raises(NotImplementedError, match="Hopper backward"):
-        out.sum().backward()
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    dq, dk, dv = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+    call = fake_ext.calls[-1]
+    assert call.get("bwd") and call["deterministic"] is deterministic and call["dlse"] is not None
+    assert call["q"].shape[-1] == 64  # hdim 40 padded to the backward's 64
+    ref = attention_bwd_ref(dout, q.detach(), k.detach(), v.detach(), dlse=dlse, causal=True)
+    for g, r in zip((dq, dk, dv), ref):
+        torch.testing.assert_close(g, r.to(g.dtype), atol=2e-2, rtol=2e-2)
+
+
+def test_kernel_path_backward_without_lse_grad_passes_none(fake_ext):
+    q, k, v = _qkv(sq=5, sk=5, d=128, dtype=torch.bfloat16, requires_grad=True)
+    attn(q, k, v).sum().backward()
+    assert fake_ext.calls[-1].get("bwd") and fake_ext.calls[-1]["dlse"] is None
+
+
+def test_kernel_path_backward_falls_back_without_bwd_kernel(fake_ext, monkeypatch):
+    monkeypatch.setattr(_ops, "_warned", set())
+    monkeypatch.setattr(_build_info, "HDIMS", (64, 96, 128, 256))  # forward up to 256, backward up to 128
+    q, k, v = _qkv(sq=5, sk=7, d=192, dtype=torch.bfloat16, requires_grad=True)
+    out = attn(q, k, v)
+    with pytest.warns(_ops.ReferenceFallbackWarning, match="no backward kernel"):
+        dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
+    assert not any(c.get("bwd") for c in fake_ext.calls)
+    ref = attention_bwd_ref(torch.ones_like(out), q.detach(), k.detach(), v.detach())
+    for g, r in zip((dq, dk, dv), ref):
+        torch.testing.assert_close(g, r.to(g.dtype), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize(

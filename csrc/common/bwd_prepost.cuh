@@ -1,4 +1,4 @@
-// The backward's pre-pass (arch-independent CUDA, one warp per query row): D = rowsum(dout * out), lse in
+// The backward's pre-pass (arch-independent CUDA, one warp per query row): D = rowsum(dout * out) - dlse, lse in
 // log2 units (+inf where exp must give 0), dq_accum zeroed. A memory-bound pass over (batch, heads,
 // seqlen_q, head_dim) with 16-byte loads. The post-pass depends on the order in which the main kernel
 // leaves dq_accum, so it lives beside that kernel (sm90/bwd_postprocess_sm90.hpp).
@@ -60,8 +60,9 @@ __global__ void __launch_bounds__(kPrePostThreads) bwd_preprocess_kernel(const B
 
   if (lane == 0) {
     const int64_t i = r.bh * p.seqlen_q_rounded + r.row;
-    p.dpsum[i] = d;
-    const float lse = r.row < p.seqlen_q ? p.lse[r.bh * p.seqlen_q + r.row] : -INFINITY;
+    const bool real_row = r.row < p.seqlen_q;
+    p.dpsum[i] = real_row && p.dlse != nullptr ? d - p.dlse[r.bh * p.seqlen_q + r.row] : d;
+    const float lse = real_row ? p.lse[r.bh * p.seqlen_q + r.row] : -INFINITY;
     p.lse_log2[i] = lse == -INFINITY ? INFINITY : lse * float(M_LOG2E);
   }
 }

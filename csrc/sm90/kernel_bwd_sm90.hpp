@@ -178,9 +178,24 @@ struct BwdKernelSm90 {
     }
   }
 
+  // Deterministic mode: the position of key block n_block among those that add into query block m_block.
+  // Non-causal: increasing n. Causal: decreasing n, the order in which they reach m_block anyway (key block
+  // n starts at the diagonal query block, two 64-row blocks below n - 1's), so none waits for a slower one.
+  CUTE_DEVICE static int turn(Params const& params, int n_block, int m_block) {
+    if constexpr (kCausal) {
+      // Key blocks that see query block m_block: the last row of the block (padding included) sees keys up to
+      // (m_block + 1) * kBlockM - 1 + seqlen_k - seqlen_q; this CTA is one of them, so that is >= 0.
+      const int last_key = (m_block + 1) * kBlockM - 1 + params.seqlen_k - params.seqlen_q;
+      const int n_max = cute::min((params.seqlen_k + kBlockN - 1) / kBlockN, last_key / kBlockN + 1);
+      return n_max - 1 - n_block;
+    } else {
+      return n_block;
+    }
+  }
+
   // Warp 1 of the producer warpgroup: per query block, waits for each consumer warpgroup's dQ half in
   // shared memory, reduce-adds it into dq_accum with one bulk copy, and hands the buffer back once read.
-  // Deterministic mode: key blocks of one (batch, head) add to a query block in increasing n_block order,
+  // Deterministic mode: key blocks of one (batch, head) add to a query block in a fixed order (turn()),
   // taking turns through a counter, so the fp32 sums are formed in the same order every run.
   CUTE_DEVICE void store_dq(Params const& params, SharedStorage& smem, int n_block, int bidh_kv, int bidb) const {
     constexpr int kChunk = Traits::kdQChunk;
@@ -197,7 +212,7 @@ struct BwdKernelSm90 {
       for (int m_block = m_min; m_block < m_max; ++m_block) {
         const bool last = i == params.head_ratio - 1 && m_block == m_max - 1;
         if (semaphore != nullptr && leader) {
-          while (load_acquire_gpu(semaphore + m_block) != n_block) {
+          while (load_acquire_gpu(semaphore + m_block) != turn(params, n_block, m_block)) {
           }
           fence_proxy_async_global();
         }
@@ -286,7 +301,6 @@ struct BwdKernelSm90 {
     Tensor tdSsdS = smem_thr_copy_dS.partition_D(sdSt);
     Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
     static_assert(decltype(size(tdQrdQ))::value * 128 == Traits::kdQChunk);
-    int step = 0;
 
     clear(tdKrdK);
     clear(tdVrdV);
@@ -308,7 +322,7 @@ struct BwdKernelSm90 {
         // S^T has retired, and with it the previous step's dK GEMM, the last reader of that step's stage.
         warpgroup_wait<1>();
         warpgroup_fence_operand(tSrS);
-        if (step > 0 && wg_thread == 0) pipeline.consumer_release(prev);
+        if (read.count() > 0 && wg_thread == 0) pipeline.consumer_release(prev);
 
         // P^T = exp2(S^T * scale_log2 - lse_log2[q]); masked entries are 0. Rows of Q past seqlen_q have
         // lse_log2 = +inf (pre-pass), so they give 0 without a mask.
@@ -350,12 +364,14 @@ struct BwdKernelSm90 {
         convert_fragment(tSrS, tPrP_acc);
         convert_fragment(tSrdP, tdSrdS_acc);
 
-        // dS (queries x keys) to shared memory for the dQ GEMM. Buffer `step % 2`: the other warpgroup may
-        // still be reading the previous step's buffer, but it passed this step's barrier only after its
-        // dQ GEMM of two steps ago retired, so this buffer is free. Queries are contiguous in the buffer, as
+        // dS (queries x keys) to shared memory for the dQ GEMM. Buffer = step parity (the stage index, with
+        // an even number of stages): the other warpgroup may still be reading the previous step's buffer,
+        // but it passed this step's barrier only after its dQ GEMM of two steps ago retired, so this buffer
+        // is free. Queries are contiguous in the buffer, as
         // in the accumulator's 8x8 blocks, so stmatrix stores four blocks per instruction (per-element
         // swizzled addresses cost registers and spilled).
-        const int buf = step & 1;
+        static_assert(Traits::kStages % 2 == 0, "dS buffer parity follows the stage index");
+        const int buf = s & 1;
         copy(smem_copy_dS, smem_thr_copy_dS.retile_S(tdSrdS_acc), tdSsdS(_, _, _, buf));
         warpgroup_gemm<false, -1>(mma_dkv, tPrP, tdVrdOt(_, _, _, s), tdVrdV);
         cutlass::arch::fence_view_async_shared();
@@ -375,12 +391,11 @@ struct BwdKernelSm90 {
         named_barrier_arrive(128 + 32, int(BwdBarrier::kdQFull0) + warp_group);
         prev = read;
         ++read;
-        ++step;
       }
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(tdKrdK);
-    if (step > 0 && wg_thread == 0) pipeline.consumer_release(prev);
+    if (read.count() > 0 && wg_thread == 0) pipeline.consumer_release(prev);
   }
 
   // dK (scaled by softmax_scale: S = scale * Q K^T) and dV to global memory, rows past seqlen_k skipped.
