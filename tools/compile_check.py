@@ -23,7 +23,6 @@ sys.path.insert(0, str(ROOT / "csrc"))
 import build_flags  # noqa: E402
 import generate_kernels  # noqa: E402
 
-
 # Bytes of spill stores tolerated in a main kernel. The backward keeps 12 bytes (two values of the per-head
 # loop, outside the per-query-block loop: see docs/perf_notes.md); anything more is a regression.
 SPILL_BUDGET = {"fwd": 0, "bwd": 16}
