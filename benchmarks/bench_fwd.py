@@ -141,11 +141,11 @@ def make_impl(name: str, q, k, v, causal: bool, bwd: bool = False, deterministic
     if not bwd:
         return (lambda: fwd(q, k, v)), ctx
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    with ctx:
+    with ctx:  # the backend is chosen at forward time; sdpa_kernel's context is single-use
         out = fwd(q, k, v)
         out = out[0] if isinstance(out, tuple) else out  # flash_attn.cute returns (out, lse)
     dout = torch.randn_like(out)
-    return (lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)), ctx
+    return (lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)), contextlib.nullcontext()
 
 
 def available_impls(requested: list[str]) -> list[str]:
