@@ -11,4 +11,27 @@ from flash_attn4.interface import attn, attn_varlen
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "attn", "attn_varlen", "is_built", "reference"]
+
+def patch_transformers(model=None):
+    """Route HuggingFace transformers attention to flash_attn4 (see flash_attn4.integrations.hf)."""
+    from flash_attn4.integrations import hf
+
+    return hf.patch_transformers(model)
+
+
+def unpatch_transformers() -> None:
+    """Undo `patch_transformers()` without a model."""
+    from flash_attn4.integrations import hf
+
+    hf.unpatch_transformers()
+
+
+__all__ = [
+    "__version__",
+    "attn",
+    "attn_varlen",
+    "is_built",
+    "patch_transformers",
+    "reference",
+    "unpatch_transformers",
+]

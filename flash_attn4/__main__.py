@@ -62,44 +62,75 @@ def explain_path(shape: tuple[int, ...], dtype: torch.dtype, causal: bool) -> No
         padded = _build_info.padded_hdim(d)
         pad = f" (head dim zero-padded to {padded})" if padded != d else ""
         print(f"forward: the sm90 CUDA kernel on {device}{pad}")
+        bwd_padded = _build_info.backward_padded_hdim(dtype, d)
+        if bwd_padded is None:
+            bwd_hdims = _build_info.backward_hdims(_build_info.dtype_name(dtype))
+            print(
+                f"backward: the PyTorch reference (no backward kernel for head dim {d}; built: {bwd_hdims})"
+            )
+        else:
+            pad = f" (head dim zero-padded to {bwd_padded})" if bwd_padded != d else ""
+            print(f"backward: the sm90 CUDA kernel on {device}{pad}")
     else:
-        print(f"forward: the PyTorch reference on {device}, because {why}")
+        print(f"forward and backward: the PyTorch reference on {device}, because {why}")
 
 
 def _self_test_case(device: torch.device, dtype: torch.dtype, causal: bool) -> tuple[bool, str]:
     torch.manual_seed(0)
     b, sq, sk, hq, hk, d = 2, 113, 203, 4, 2, 64
-    q = torch.randn(b, sq, hq, d, device=device, dtype=dtype)
-    k, v = (torch.randn(b, sk, hk, d, device=device, dtype=dtype) for _ in range(2))
+    q = torch.randn(b, sq, hq, d, device=device, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(b, sk, hk, d, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+    dout = torch.randn(b, sq, hq, d, device=device, dtype=dtype)
     scale = 1 / math.sqrt(d)
     out, lse = flash_attn4.attn(q, k, v, causal=causal, return_lse=True)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+
     # An independent float64 softmax(QK^T)V, not the package's reference, so the reference is tested too.
-    q64, k64, v64 = (t.double().transpose(1, 2) for t in (q, k, v))
-    k64, v64 = (t.repeat_interleave(hq // hk, dim=1) for t in (k64, v64))
-    s = q64 @ k64.transpose(-1, -2) * scale
-    if causal:
-        i = torch.arange(sq, device=device)[:, None]
-        j = torch.arange(sk, device=device)[None, :]
-        s = s.masked_fill(j > i + sk - sq, -math.inf)
-    want_lse = torch.logsumexp(s, -1)
-    want = (torch.softmax(s, -1).nan_to_num(0.0) @ v64).transpose(1, 2)
-    err = (out.double() - want).abs().max().item()
-    lse_err = (lse.double() - want_lse).abs().max().item()
+    def independent(q, k, v):
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        k, v = (t.repeat_interleave(hq // hk, dim=1) for t in (k, v))
+        s = q @ k.transpose(-1, -2) * scale
+        if causal:
+            i = torch.arange(sq, device=device)[:, None]
+            j = torch.arange(sk, device=device)[None, :]
+            s = s.masked_fill(j > i + sk - sq, -math.inf)
+        return (torch.softmax(s, -1).nan_to_num(0.0) @ v).transpose(1, 2), torch.logsumexp(s, -1)
+
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want, want_lse = independent(q64, k64, v64)
+    want_grads = torch.autograd.grad(want, (q64, k64, v64), dout.double())
     # Twice the error of the same math in the input dtype, plus rounding, as in the test-suite.
-    lp, _ = attention_ref(q, k, v, causal=causal, upcast=False)
-    bound = 2 * (lp.double() - want).abs().max().item() + 1e-4
-    ok = bool(math.isfinite(err)) and err <= bound and lse_err < 1e-2
-    return ok, f"max|out err| {err:.2e} (bound {bound:.2e}), max|lse err| {lse_err:.2e}"
+    qlp, klp, vlp = (t.detach().requires_grad_() for t in (q, k, v))
+    lp, _ = attention_ref(qlp, klp, vlp, causal=causal, upcast=False)
+    lp_grads = torch.autograd.grad(lp, (qlp, klp, vlp), dout)
+
+    def err(a, b):
+        return (a.double() - b).abs().max().item()
+
+    ok = True
+    parts = []
+    for name, got, truth, low in zip(
+        ("out", "dq", "dk", "dv"), (out, *grads), (want, *want_grads), (lp, *lp_grads)
+    ):
+        e, bound = err(got, truth), 2 * err(low, truth) + err(truth.to(dtype), truth) + 1e-4
+        ok &= math.isfinite(e) and e <= bound
+        parts.append(f"{name} {e:.1e} (<= {bound:.1e})")
+    lse_err = err(lse, want_lse.detach())
+    ok &= lse_err < 1e-2
+    return ok, f"max errors: {', '.join(parts)}, lse {lse_err:.1e}"
 
 
 def self_test() -> bool:
-    _section("self-test (against an independent float64 softmax(QK^T)V)")
+    _section("self-test (forward and backward against an independent float64 softmax(QK^T)V)")
     cases = [(torch.device("cpu"), torch.float32)]
     if torch.cuda.is_available():
         cases += [(torch.device("cuda"), torch.bfloat16), (torch.device("cuda"), torch.float16)]
     all_ok = True
     for device, dtype in cases:
-        path = "kernel" if _build_info.kernel_available(device, dtype, 64)[0] else "reference"
+        path = "reference"
+        if _build_info.kernel_available(device, dtype, 64)[0]:
+            bwd = _build_info.backward_padded_hdim(dtype, 64) is not None
+            path = "kernel fwd+bwd" if bwd else "kernel fwd, reference bwd"
         for causal in (False, True):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", _ops.ReferenceFallbackWarning)

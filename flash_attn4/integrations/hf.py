@@ -1,0 +1,248 @@
+"""HuggingFace transformers integration: run a model's attention on flash_attn4.
+
+    import flash_attn4
+    flash_attn4.patch_transformers(model)        # this model, now
+    flash_attn4.patch_transformers()             # every model that would use "sdpa" (the default)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="fa4")  # after register()
+
+The attention function follows transformers' flash-attention contract (shared/research/hf_integration.md):
+q/k/v arrive as (batch, heads, seqlen, head_dim) with k/v not repeated for GQA, the output goes back as
+(batch, seqlen, heads, head_dim). The mask function registered beside it (transformers >= 4.53) hands us
+transformers' 2-D padding mask (or None when nothing is padded); a padded batch is unpadded into
+`attn_varlen` and padded back (left or right padding; pad rows get zeros, never NaN). Before 4.53 the model
+passes a 4-D additive mask, from whose last query row the same padding mask is read.
+
+The name is "fa4": transformers treats names containing "flash", "sdpa", "flex_attention" or "/"
+specially, so ours avoids them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from flash_attn4.interface import attn, attn_varlen
+
+NAME = "fa4"
+
+_saved_sdpa: dict[str, Any] = {}  # the original "sdpa" entries while patch_transformers() overrides them
+
+
+def _is_compiling() -> bool:
+    return bool(getattr(torch.compiler, "is_compiling", lambda: False)())
+
+
+def _padding_mask(attention_mask: Tensor | None, q_len: int) -> Tensor | None:
+    """The (batch, kv_len) bool padding mask (True = real token), or None when there is none.
+
+    transformers >= 4.53 with our mask function gives exactly that. Older versions give a 4-D additive float
+    mask (batch, 1, q_len, kv_len [+1]) holding causality and padding; its last query row sees every real
+    key, so it is the padding mask.
+    """
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() == 2:
+        return attention_mask.bool()
+    if attention_mask.dim() == 4:
+        last = attention_mask[:, 0, -1, :]
+        keep = last if last.dtype == torch.bool else last == 0
+        return None if _is_compiling() else (None if bool(keep.all()) else keep)
+    raise ValueError(
+        f"flash_attn4 ({NAME}) got an attention mask of shape {tuple(attention_mask.shape)}; it takes "
+        "transformers' 2-D padding mask or its 4-D causal/padding mask, not arbitrary masks"
+    )
+
+
+def _packed_offsets(position_ids: Tensor | None, batch: int, seqlen: int) -> Tensor | None:
+    """cu_seqlens of sequences packed into one row (batch 1; positions restart at each new sequence), or
+    None. Reads position_ids on the host, as transformers' flash path does; skipped under torch.compile."""
+    if position_ids is None or batch != 1 or _is_compiling():
+        return None
+    pos = position_ids.reshape(-1)
+    if pos.numel() != seqlen:
+        return None
+    starts = torch.nonzero(pos == pos.min()).reshape(-1)
+    if starts.numel() <= 1:
+        return None
+    ends = torch.cat([starts[1:], starts.new_tensor([seqlen])])
+    return torch.cat([starts[:1] * 0, ends]).to(torch.int32)
+
+
+def _varlen(q, k, v, cu_q, cu_k, causal, **kw) -> Tensor:
+    max_q = int((cu_q[1:] - cu_q[:-1]).max()) if cu_q.numel() > 1 else 0
+    max_k = int((cu_k[1:] - cu_k[:-1]).max()) if cu_k.numel() > 1 else 0
+    return attn_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, **kw)
+
+
+def _attn_padded(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, causal: bool, **kw) -> Tensor:
+    """q (B, Sq, H, D), k/v (B, Skv, Hk, D), keep (B, L) with L <= Skv: unpad -> attn_varlen -> pad.
+
+    Keys: the first L slots (a StaticCache is longer than what is filled), those with keep set. Queries:
+    the last Sq of those L positions (q_len == kv_len, or decoding/chunked prefill after left padding).
+    """
+    b, sq, h, d = q.shape
+    kv_len = keep.shape[1]
+    k, v = k[:, :kv_len], v[:, :kv_len]
+    keep_q = keep[:, -sq:] if sq <= kv_len else keep.new_ones(b, sq)
+    idx_q = torch.nonzero(keep_q.reshape(-1)).reshape(-1)
+    idx_k = torch.nonzero(keep.reshape(-1)).reshape(-1)
+    zero = torch.zeros(1, dtype=torch.int32, device=q.device)
+    cu_q = torch.cat([zero, keep_q.sum(1, dtype=torch.int32).cumsum(0, dtype=torch.int32)])
+    cu_k = torch.cat([zero, keep.sum(1, dtype=torch.int32).cumsum(0, dtype=torch.int32)])
+    out = _varlen(
+        q.reshape(b * sq, h, d)[idx_q],
+        k.reshape(b * kv_len, *k.shape[2:])[idx_k],
+        v.reshape(b * kv_len, *v.shape[2:])[idx_k],
+        cu_q,
+        cu_k,
+        causal,
+        **kw,
+    )
+    # Pad rows get 0: finite, so nothing downstream turns into NaN through 0 * NaN.
+    return q.new_zeros(b * sq, h, d).index_copy(0, idx_q, out).reshape(b, sq, h, d)
+
+
+def _target_dtype(query: Tensor, module: torch.nn.Module) -> torch.dtype:
+    """As transformers' flash path: fp32 activations run in the autocast dtype, else in the dtype of the
+    module's first low-precision Linear weight; a pure fp32 model stays fp32 (the reference path)."""
+    if query.dtype != torch.float32:
+        return query.dtype
+    if torch.is_autocast_enabled():
+        get = getattr(torch, "get_autocast_dtype", None)
+        return get(query.device.type) if get else torch.get_autocast_gpu_dtype()
+    for layer in module.modules():
+        if isinstance(layer, torch.nn.Linear) and layer.weight.dtype in (torch.float16, torch.bfloat16):
+            return layer.weight.dtype
+    return query.dtype
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """transformers attention function: (B, H, S, D) in, ((B, S, H, D), None) out."""
+    if dropout and dropout > 0.0:
+        raise ValueError(
+            f"flash_attn4 ({NAME}) has no attention dropout; set config.attention_dropout = 0.0 "
+            f"(got {dropout})"
+        )
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError(
+            f"flash_attn4 ({NAME}) does not support attention sinks (s_aux, GPT-OSS) yet; use "
+            "attn_implementation='eager' for this model"
+        )
+    b, hq, sq, d = query.shape
+    causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
+    dtype = _target_dtype(query, module)
+    q, k, v = (t.transpose(1, 2).to(dtype) for t in (query, key, value))
+    kw: dict[str, Any] = {"softmax_scale": scaling, "softcap": float(softcap or 0.0)}
+    if kwargs.get("deterministic") is not None:
+        kw["deterministic"] = bool(kwargs["deterministic"])
+    if sliding_window is not None and k.shape[1] > sliding_window:
+        # transformers' window: a query sees itself and the sliding_window - 1 keys before it (and, were the
+        # layer not causal, as many after it).
+        kw["window_size"] = (sliding_window - 1, 0 if causal else sliding_window - 1)
+
+    keep = _padding_mask(attention_mask, sq)
+    if keep is not None:
+        out = _attn_padded(q, k, v, keep, causal, **kw)
+    elif all(kwargs.get(n) is not None for n in ("cu_seq_lens_q", "cu_seq_lens_k")):
+        cu_q, cu_k = kwargs["cu_seq_lens_q"].to(torch.int32), kwargs["cu_seq_lens_k"].to(torch.int32)
+        out = _varlen(q.reshape(b * sq, hq, d), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k, causal, **kw)
+        out = out.reshape(b, sq, hq, d)
+    else:
+        cu = _packed_offsets(kwargs.get("position_ids"), b, sq) if sq == k.shape[1] else None
+        if cu is not None:
+            out = _varlen(q[0], k[0], v[0], cu, cu, causal, **kw).unsqueeze(0)
+        else:
+            # Bottom-right causal: q_len == kv_len is ordinary causal, q_len == 1 (decoding) sees every key,
+            # and a chunked prefill sees the cache plus its own causal part.
+            out = attn(q, k, v, causal=causal, **kw)
+    return out.to(query.dtype), None
+
+
+def _interfaces():
+    """(AttentionInterface or the pre-4.51 dict, AttentionMaskInterface or None, flash_attention_mask)."""
+    import transformers.modeling_utils as mu
+
+    attention = getattr(mu, "AttentionInterface", None) or mu.ALL_ATTENTION_FUNCTIONS
+    try:
+        from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    except ImportError:  # < 4.53: models build a 4-D additive mask themselves
+        return attention, None, None
+    return attention, AttentionMaskInterface, flash_attention_mask
+
+
+def _register(attention, name: str, fn) -> None:
+    if isinstance(attention, dict):
+        attention[name] = fn
+    else:
+        attention.register(name, fn)
+
+
+def register(name: str = NAME) -> str:
+    """Registers our attention (and, on transformers >= 4.53, its padding-mask function) under `name`, so
+    `attn_implementation=name` works in from_pretrained / from_config / set_attn_implementation. Idempotent.
+    Returns the name."""
+    attention, masks, mask_fn = _interfaces()
+    _register(attention, name, attention_forward)
+    if masks is not None:
+        # Without a registered mask function transformers would pass attention_mask=None: padding lost.
+        masks.register(name, mask_fn)
+    return name
+
+
+def _set_model(model: torch.nn.Module, name: str) -> None:
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:  # < 4.54: each forward re-reads the config
+        for m in model.modules():
+            config = getattr(m, "config", None)
+            if config is not None and hasattr(config, "_attn_implementation"):
+                config._attn_implementation = name
+
+
+def patch_transformers(model: torch.nn.Module | None = None) -> torch.nn.Module | None:
+    """The one-line switch.
+
+    With `model`: registers "fa4" and switches that model to it; returns the model.
+    Without: every model whose attention implementation is "sdpa" (transformers' default) runs on
+    flash_attn4 from now on, including those already built, until `unpatch_transformers()`: the "sdpa"
+    entries of transformers' attention and mask registries point to ours (so such models also get the
+    padding mask we need).
+    """
+    register()
+    if model is not None:
+        _set_model(model, NAME)
+        return model
+    attention, masks, mask_fn = _interfaces()
+    if not _saved_sdpa:
+        table = attention if isinstance(attention, dict) else attention._global_mapping
+        _saved_sdpa["attention"] = table.get("sdpa")
+        if masks is not None:
+            _saved_sdpa["mask"] = masks._global_mapping.get("sdpa")
+    _register(attention, "sdpa", attention_forward)
+    if masks is not None:
+        masks.register("sdpa", mask_fn)
+    return None
+
+
+def unpatch_transformers() -> None:
+    """Undoes `patch_transformers()` (no model): "sdpa" is transformers' own again."""
+    if not _saved_sdpa:
+        return
+    attention, masks, _ = _interfaces()
+    _register(attention, "sdpa", _saved_sdpa.pop("attention"))
+    if masks is not None and "mask" in _saved_sdpa:
+        masks.register("sdpa", _saved_sdpa.pop("mask"))
+    _saved_sdpa.clear()

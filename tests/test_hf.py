@@ -1,0 +1,198 @@
+"""HuggingFace transformers integration (flash_attn4.integrations.hf) with tiny random-weight models built
+from configs (no downloads): Llama, Mistral (sliding window), Qwen2 (mixed sliding layers) and Gemma-2
+(softcap). On CPU the attention runs on the reference path (fp32, tight tolerances); with a CUDA device
+and built kernels the bf16 variants run on the kernels (transformers' own bf16 tolerances).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import flash_attn4  # noqa: E402
+from flash_attn4 import _build_info  # noqa: E402
+from flash_attn4.integrations import hf  # noqa: E402
+
+hf.register()
+
+_COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
+
+def _config(kind: str):
+    if kind == "llama":
+        return transformers.LlamaConfig(**_COMMON)
+    if kind == "mistral":
+        return transformers.MistralConfig(**_COMMON, sliding_window=4)
+    if kind == "qwen2":
+        return transformers.Qwen2Config(
+            **_COMMON, use_sliding_window=True, sliding_window=4, max_window_layers=1
+        )
+    if kind == "gemma2":
+        return transformers.Gemma2Config(
+            **_COMMON, head_dim=16, attn_logit_softcapping=2.0, sliding_window=4, query_pre_attn_scalar=16
+        )
+    raise ValueError(kind)
+
+
+def _models(kind: str, other: str = "eager", dtype=torch.float32, device="cpu"):
+    """(reference model with attn_implementation=other, the same weights on fa4), in eval mode."""
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(_config(kind), attn_implementation=other)
+    ref = ref.to(device=device, dtype=dtype).eval()
+    ours = copy.deepcopy(ref)
+    ours.set_attn_implementation(hf.NAME)
+    return ref, ours
+
+
+def _batch(device="cpu", left=True):
+    torch.manual_seed(1)
+    ids = torch.randint(0, 128, (3, 12), device=device)
+    mask = torch.ones(3, 12, dtype=torch.long, device=device)
+    pad = slice(0, 3) if left else slice(9, 12)
+    mask[1, pad] = 0
+    mask[2, slice(0, 5) if left else slice(7, 12)] = 0
+    return ids, mask
+
+
+CUDA_KERNELS = torch.cuda.is_available() and _build_info.kernel_available("cuda", torch.bfloat16, 16)[0]
+DEVICES = [("cpu", torch.float32, 1e-4)] + ([("cuda", torch.bfloat16, 3e-2)] if CUDA_KERNELS else [])
+DEVICE_IDS = [d for d, _, _ in DEVICES]
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "gemma2"])
+@pytest.mark.parametrize("left", [True, False], ids=["left_pad", "right_pad"])
+@pytest.mark.parametrize("device, dtype, tol", DEVICES, ids=DEVICE_IDS)
+def test_padded_logits_match_eager(kind, left, device, dtype, tol):
+    ref, ours = _models(kind, dtype=dtype, device=device)
+    ids, mask = _batch(device, left)
+    with torch.no_grad():
+        a = ref(ids, attention_mask=mask).logits.float()
+        b = ours(ids, attention_mask=mask).logits.float()
+    assert torch.isfinite(b).all(), "pad rows must stay finite"
+    keep = mask.bool()
+    torch.testing.assert_close(b[keep], a[keep], atol=tol, rtol=tol)
+
+
+def test_padded_batch_equals_sequences_one_by_one():
+    _, ours = _models("llama")
+    ids, mask = _batch(left=True)
+    with torch.no_grad():
+        batched = ours(ids, attention_mask=mask).logits
+        for i in range(ids.shape[0]):
+            row = ids[i, mask[i].bool()][None]
+            alone = ours(row).logits[0]
+            torch.testing.assert_close(batched[i, mask[i].bool()], alone, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generate_matches_sdpa(kind, cache):
+    ref, ours = _models(kind, other="sdpa")
+    ids, mask = _batch(left=True)
+    kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=False)
+    if cache == "static":
+        kw["cache_implementation"] = "static"
+    assert torch.equal(ours.generate(ids, **kw), ref.generate(ids, **kw))
+
+
+@pytest.mark.parametrize("device, dtype, tol", DEVICES, ids=DEVICE_IDS)
+def test_training_step_matches_eager(device, dtype, tol):
+    ref, ours = _models("llama", dtype=dtype, device=device)
+    ids, mask = _batch(device, left=False)
+    losses, grads = [], []
+    for model in (ref, ours):
+        model.train()
+        out = model(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+        out.loss.backward()
+        losses.append(out.loss.float())
+        grads.append(model.model.layers[0].self_attn.q_proj.weight.grad.float())
+    torch.testing.assert_close(losses[1], losses[0], atol=tol, rtol=tol)
+    torch.testing.assert_close(grads[1], grads[0], atol=10 * tol, rtol=10 * tol)
+
+
+def test_packed_sequences_from_position_ids():
+    _, ours = _models("llama")
+    torch.manual_seed(2)
+    a, b = torch.randint(0, 128, (1, 5)), torch.randint(0, 128, (1, 7))
+    packed = torch.cat([a, b], dim=1)
+    position_ids = torch.cat([torch.arange(5), torch.arange(7)])[None]
+    with torch.no_grad():
+        logits = ours(packed, position_ids=position_ids, use_cache=False).logits[0]
+        torch.testing.assert_close(logits[:5], ours(a).logits[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(logits[5:], ours(b).logits[0], atol=1e-5, rtol=1e-5)
+
+
+def test_patch_transformers_model_and_global(monkeypatch):
+    calls = []
+    real = hf.attention_forward
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hf, "attention_forward", counting)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_config("llama")).eval()
+    assert model.config._attn_implementation == "sdpa"
+    ids, mask = _batch()
+    with torch.no_grad():
+        before = model(ids, attention_mask=mask).logits
+    assert not calls
+    assert flash_attn4.patch_transformers(model) is model
+    assert model.config._attn_implementation == hf.NAME
+    with torch.no_grad():
+        after = model(ids, attention_mask=mask).logits
+    assert calls
+    keep = mask.bool()
+    torch.testing.assert_close(after[keep], before[keep], atol=1e-4, rtol=1e-4)
+
+    # Without a model: "sdpa" itself is rerouted until unpatch_transformers().
+    calls.clear()
+    fresh = transformers.AutoModelForCausalLM.from_config(_config("llama")).eval()
+    flash_attn4.patch_transformers()
+    try:
+        with torch.no_grad():
+            fresh(ids, attention_mask=mask)
+        assert calls
+    finally:
+        flash_attn4.unpatch_transformers()
+    calls.clear()
+    with torch.no_grad():
+        fresh(ids, attention_mask=mask)
+    assert not calls
+
+
+def test_unsupported_options_are_clear_errors():
+    module = torch.nn.Module()
+    module.is_causal = True
+    q = torch.randn(1, 4, 6, 16)
+    k = v = torch.randn(1, 2, 6, 16)
+    with pytest.raises(ValueError, match="dropout"):
+        hf.attention_forward(module, q, k, v, None, dropout=0.1)
+    with pytest.raises(NotImplementedError, match="s_aux"):
+        hf.attention_forward(module, q, k, v, None, s_aux=torch.zeros(4))
+    with pytest.raises(ValueError, match="attention mask"):
+        hf.attention_forward(module, q, k, v, torch.ones(6, 6, 6))
+
+
+def test_compile_fullgraph_no_graph_breaks():
+    _, ours = _models("llama")
+    ids = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        eager = ours(ids, use_cache=False).logits
+        compiled = torch.compile(
+            lambda x: ours(x, use_cache=False).logits, fullgraph=True, backend="aot_eager"
+        )
+        torch.testing.assert_close(compiled(ids), eager, atol=1e-5, rtol=1e-5)
