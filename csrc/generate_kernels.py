@@ -15,7 +15,7 @@ from pathlib import Path
 ARCHS = (90,)
 DTYPES = ("bf16", "fp16")
 HDIMS = (64, 96, 128, 192, 256)
-BWD_HDIMS = (64, 96, 128)  # dK and dV live in registers: head_dim <= 128 so far
+BWD_HDIMS = (64, 96, 128, 192, 256)
 CAUSAL = (False, True)
 
 _CPP_DTYPE = {"bf16": "DType::kBF16", "fp16": "DType::kFP16"}

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <stdexcept>
+#include <type_traits>
 
 #include "../common/bwd_prepost.cuh"
 #include "../dispatch.h"
@@ -16,7 +17,9 @@ namespace flash4 {
 template <DType kDType, int kHeadDim, bool kCausal>
 void run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   using Element = CutlassElement<kDType>;
-  using Traits = BwdTraitsSm90<Element, kHeadDim, /*stages=*/2>;
+  // Head dim <= 128: dK and dV split along keys across the warpgroups; above: along head_dim.
+  using Traits = std::conditional_t<(kHeadDim <= 128), BwdTraitsSm90<Element, kHeadDim, /*stages=*/2>,
+                                    BwdWideTraitsSm90<Element, kHeadDim, /*stages=*/2>>;
   if (p.seqlen_q_rounded % Traits::kBlockM != 0) {
     throw std::runtime_error("flash_attn4: seqlen_q_rounded must be a multiple of the backward's kBlockM");
   }

@@ -398,6 +398,160 @@ struct BwdKernelSm90 {
     if (read.count() > 0 && wg_thread == 0) pipeline.consumer_release(prev);
   }
 
+  // Head dims 192 / 256 (BwdWideTraitsSm90): the warpgroups split queries for S^T and dP^T and head_dim
+  // for dV, dK and dQ; P^T and dS^T meet in shared memory. dQ goes to dq_accum with 16-byte reductions, in
+  // the order the post-pass reads (float4 i of thread t of warpgroup w at w * kdQChunk + 4 * (i * 128 + t)).
+  template <class FragKV>
+  CUTE_DEVICE void mma_wide(Params const& params, typename Traits::PipelineQdO& pipeline, SharedStorage& smem,
+                            FragKV& tdKrdK, FragKV& tdVrdV, int thread_idx, int n_block, int bidh_kv,
+                            int bidb) const {
+    typename Traits::TiledMmaSdP mma_sdp;
+    typename Traits::TiledMmadKV mma_dkv;
+    typename Traits::TiledMmadQ mma_dq;
+    auto thr_sdp = mma_sdp.get_thread_slice(thread_idx);
+    auto thr_dkv = mma_dkv.get_thread_slice(thread_idx);
+    auto thr_dq = mma_dq.get_thread_slice(thread_idx);
+    const int warp_group = thread_idx / 128, wg_thread = thread_idx % 128;
+
+    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutV{});
+    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutdO{});
+    Tensor sQt = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQt{});
+    Tensor sdOt = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutdOt{});
+    Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKt{});
+    Tensor sdS = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutdS{});
+    Tensor sdSt = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutdSt{});
+    Tensor sPt = make_tensor(make_smem_ptr(smem.p.data()), typename Traits::SmemLayoutdSt{});
+    Tensor sLse = make_tensor(make_smem_ptr(smem.lse_log2.data()), typename Traits::SmemLayoutRow{});
+    Tensor sDpsum = make_tensor(make_smem_ptr(smem.dpsum.data()), typename Traits::SmemLayoutRow{});
+
+    Tensor tSrK = thr_sdp.partition_fragment_A(sK);
+    Tensor tSrV = thr_sdp.partition_fragment_A(sV);
+    Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);    // (MMA, N, K, stage): this warpgroup's queries
+    Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
+    Tensor tdVrPt = thr_dkv.partition_fragment_A(sPt);    // (MMA, M, K, buffer)
+    Tensor tdKrdSt = thr_dkv.partition_fragment_A(sdSt);
+    Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);  // (MMA, N, K, stage): this warpgroup's head_dim half
+    Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt);
+    Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
+    Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
+
+    using TileS = Shape<Int<kBlockN>, Int<kBlockM>>;
+    Tensor tSrS = partition_fragment_C(mma_sdp, TileS{});
+    Tensor tSrdP = partition_fragment_C(mma_sdp, TileS{});
+    Tensor tSrS_rc = make_tensor(tSrS.data(), acc_rowcol_layout(tSrS.layout()));
+    Tensor tSrdP_rc = make_tensor(tSrdP.data(), acc_rowcol_layout(tSrdP.layout()));
+    Tensor tScS = thr_sdp.partition_C(make_identity_tensor(TileS{}));
+    Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol_layout(tScS.layout()));
+    Tensor tScS0 = mma_sdp.get_thread_slice(0).partition_C(make_identity_tensor(TileS{}));  // see mma()
+    Tensor tScS0_rc = make_tensor(tScS0.data(), acc_rowcol_layout(tScS0.layout()));
+    const int query_thr = get<1>(tScS_rc(0, 0));
+    Tensor tPrP = make_tensor<Element>(tSrS.layout());
+    Tensor tdSrdS = make_tensor<Element>(tSrS.layout());
+    auto smem_copy_PdS = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
+    auto smem_thr_copy_PdS = smem_copy_PdS.get_thread_slice(thread_idx);
+    Tensor tPsPt = smem_thr_copy_PdS.partition_D(sPt);
+    Tensor tdSsdSt = smem_thr_copy_PdS.partition_D(sdSt);
+    Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    static_assert(decltype(size(tdQrdQ))::value * 128 == Traits::kdQChunk);
+
+    clear(tdKrdK);
+    clear(tdVrdV);
+    int m_min, m_max;
+    m_block_range(params, n_block, m_min, m_max);
+    const int num_m_blocks = params.seqlen_q_rounded / kBlockM;
+    smem.barrier_kv.wait(0);
+
+    const int seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k;
+    typename Traits::PipelineState read;
+#pragma unroll 1
+    for (int i = 0; i < params.head_ratio; ++i) {
+      const int64_t bh = int64_t(bidb) * params.nheads_q + bidh_kv * params.head_ratio + i;
+      float* dq_accum = params.dq_accum + bh * params.seqlen_q_rounded * kHeadDim + warp_group * Traits::kdQChunk;
+      int* semaphore = params.dq_semaphore ? params.dq_semaphore + bh * num_m_blocks : nullptr;
+#pragma unroll 1
+      for (int m_block = m_min; m_block < m_max; ++m_block) {
+        const int s = read.index();
+        pipeline.consumer_wait(read);
+        warpgroup_gemm</*zero_init=*/true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, s), tSrS);
+        warpgroup_gemm<true, -1>(mma_sdp, tSrV, tSrdO(_, _, _, s), tSrdP);
+        warpgroup_wait<1>();
+        warpgroup_fence_operand(tSrS);
+        const float* lse_s = &sLse(query_thr, s);
+        const float* dpsum_s = &sDpsum(query_thr, s);
+        const int key0 = n_block * kBlockN, query0 = m_block * kBlockM;
+        const bool need_mask = key0 + kBlockN > seqlen_k ||
+                               (kCausal && key0 + kBlockN - 1 > query0 + seqlen_k - seqlen_q);
+#pragma unroll
+        for (int r = 0; r < size<0>(tSrS_rc); ++r) {
+#pragma unroll
+          for (int c = 0; c < size<1>(tSrS_rc); ++c) {
+            tSrS_rc(r, c) = exp2_approx(fmaf(tSrS_rc(r, c), params.scale_log2, -lse_s[get<1>(tScS0_rc(r, c))]));
+          }
+        }
+        if (need_mask) {
+#pragma unroll
+          for (int r = 0; r < size<0>(tSrS_rc); ++r) {
+            const int key = key0 + get<0>(tScS_rc(r, 0));
+#pragma unroll
+            for (int c = 0; c < size<1>(tSrS_rc); ++c) {
+              const int query = query0 + get<1>(tScS_rc(r, c));
+              if (key >= seqlen_k || (kCausal && key > query + seqlen_k - seqlen_q)) tSrS_rc(r, c) = 0.f;
+            }
+          }
+        }
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tSrdP);
+#pragma unroll
+        for (int r = 0; r < size<0>(tSrdP_rc); ++r) {
+#pragma unroll
+          for (int c = 0; c < size<1>(tSrdP_rc); ++c) {
+            tSrdP_rc(r, c) = tSrS_rc(r, c) * (tSrdP_rc(r, c) - dpsum_s[get<1>(tScS0_rc(r, c))]);
+          }
+        }
+        convert_fragment(tSrS, tPrP);
+        convert_fragment(tSrdP, tdSrdS);
+        // Buffer = step parity (the stage index): the other warpgroup passed this step's barrier only after
+        // its GEMMs of two steps ago, the last readers of this buffer, retired.
+        static_assert(Traits::kStages % 2 == 0, "P/dS buffer parity follows the stage index");
+        const int buf = s & 1;
+        copy(smem_copy_PdS, smem_thr_copy_PdS.retile_S(tPrP), tPsPt(_, _, _, buf));
+        copy(smem_copy_PdS, smem_thr_copy_PdS.retile_S(tdSrdS), tdSsdSt(_, _, _, buf));
+        cutlass::arch::fence_view_async_shared();
+        named_barrier_sync(Traits::kNumMmaThreads, int(BwdBarrier::kdS));
+        warpgroup_gemm<false, -1>(mma_dkv, tdVrPt(_, _, _, buf), tdVrdOt(_, _, _, s), tdVrdV);
+        warpgroup_gemm<false, -1>(mma_dkv, tdKrdSt(_, _, _, buf), tdKrQt(_, _, _, s), tdKrdK);
+        warpgroup_gemm<true, 0>(mma_dq, tdQrdS(_, _, _, buf), tdQrKt, tdQrdQ);
+        warpgroup_fence_operand(tdVrdV);
+        warpgroup_fence_operand(tdKrdK);
+        if (wg_thread == 0) pipeline.consumer_release(read);
+        ++read;
+
+        // dQ: deterministic mode takes turns as the narrow kernel's writer warp does (one poller, then
+        // a barrier of both consumer warpgroups; release after every thread's reductions are visible).
+        if (semaphore != nullptr) {
+          if (thread_idx == 0) {
+            while (load_acquire_gpu(semaphore + m_block) != turn(params, n_block, m_block)) {
+            }
+          }
+          named_barrier_sync(Traits::kNumMmaThreads, int(BwdBarrier::kdQFull0));
+        }
+        float4* dst = reinterpret_cast<float4*>(dq_accum + int64_t(m_block) * kBlockM * kHeadDim);
+#pragma unroll
+        for (int e = 0; e < size(tdQrdQ); e += 4) {
+          atomicAdd(dst + (e / 4) * 128 + wg_thread,
+                    make_float4(tdQrdQ(e), tdQrdQ(e + 1), tdQrdQ(e + 2), tdQrdQ(e + 3)));
+        }
+        if (semaphore != nullptr) {
+          __threadfence();
+          named_barrier_sync(Traits::kNumMmaThreads, int(BwdBarrier::kdQFull0));
+          if (thread_idx == 0) release_increment_gpu(semaphore + m_block);
+        }
+      }
+    }
+  }
+
   // dK (scaled by softmax_scale: S = scale * Q K^T) and dV to global memory, rows past seqlen_k skipped.
   template <class FragKV>
   CUTE_DEVICE void store(Params const& params, FragKV const& tdKrdK, FragKV const& tdVrdV, int thread_idx,
@@ -448,14 +602,20 @@ struct BwdKernelSm90 {
       arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
       const int warp = warp_idx % 4;
       if (warp == 0 && threadIdx.x == 0) load(params, pipeline, smem, n_block, bidh_kv, bidb);
-      if (warp == 1) store_dq(params, smem, n_block, bidh_kv, bidb);
+      if constexpr (!Traits::kWide) {
+        if (warp == 1) store_dq(params, smem, n_block, bidh_kv, bidb);
+      }
     } else {
       arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
       const int thread_idx = int(threadIdx.x) - 128;
       typename Traits::TiledMmadKV mma_dkv;
       Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
       Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
-      mma(params, pipeline, smem, tdKrdK, tdVrdV, thread_idx, n_block, bidh_kv, bidb);
+      if constexpr (Traits::kWide) {
+        mma_wide(params, pipeline, smem, tdKrdK, tdVrdV, thread_idx, n_block, bidh_kv, bidb);
+      } else {
+        mma(params, pipeline, smem, tdKrdK, tdVrdV, thread_idx, n_block, bidh_kv, bidb);
+      }
       store(params, tdKrdK, tdVrdV, thread_idx, n_block, bidh_kv, bidb);
     }
   }

@@ -28,6 +28,7 @@ using namespace cute;
 template <class Element_, int kHeadDim_, int kStages_>
 struct BwdTraitsSm90 {
   using Element = Element_;
+  static constexpr bool kWide = false;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 64;   // queries per step
   static constexpr int kBlockN = 128;  // keys per CTA
@@ -101,6 +102,96 @@ struct BwdTraitsSm90 {
     // thread t at i * 128 + t (16-byte stores, no bank conflicts), the order the post-pass expects.
     alignas(128) cute::array_aligned<float, kBlockM * kHeadDim> dq;
     alignas(128) cute::array_aligned<float, cosize_v<SmemLayoutRow>> lse_log2;  // TMA destinations: 128 B
+    alignas(128) cute::array_aligned<float, cosize_v<SmemLayoutRow>> dpsum;
+    alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_kv;
+    typename PipelineQdO::SharedStorage pipeline_qdo;
+  };
+  static constexpr int kSmemBytes = sizeof(SharedStorage);
+  static_assert(kSmemBytes <= 227 * 1024, "tile does not fit in shared memory");
+};
+
+// Head dims 192 and 256: a 64 x head_dim fp32 dK plus dV per warpgroup (192 / 256 registers) no longer fit, so
+// the two consumer warpgroups split dK and dV along head_dim instead of along keys. One CTA owns kBlockN = 64
+// keys; per 64-query block:
+//   S^T, dP^T (keys x queries): warpgroup w computes queries [32w, 32w + 32)         (SS)
+//   P^T and dS^T go to shared memory (stmatrix), both warpgroups' halves behind one barrier, then
+//   dV[:, half w] += P^T dO[:, half w],  dK[:, half w] += dS^T Q[:, half w]          (SS, A = P^T / dS^T)
+//   dQ[:, half w]  = dS K[:, half w]                                                  (SS, as the narrow kernel)
+// and dQ goes straight from registers to dq_accum with 16-byte reductions in the post-pass's order (its
+// shared-memory staging would not fit beside two Q/dO stages at head dim 256).
+template <class Element_, int kHeadDim_, int kStages_>
+struct BwdWideTraitsSm90 {
+  using Element = Element_;
+  static constexpr bool kWide = true;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = 64;  // queries per step
+  static constexpr int kBlockN = 64;  // keys per CTA
+  static constexpr int kStages = kStages_;
+  static_assert(kHeadDim > 128 && kHeadDim <= 256 && kHeadDim % 32 == 0);
+
+  static constexpr int kNumMmaWarpGroups = 2;
+  static constexpr int kNumMmaThreads = kNumMmaWarpGroups * 128;
+  static constexpr int kNumThreads = kNumMmaThreads + 128;
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+  static constexpr int kHalf = kHeadDim / 2;  // head_dim columns per warpgroup
+
+  using SplitN = Layout<Shape<_1, Int<kNumMmaWarpGroups>, _1>>;  // warpgroup w owns N block w
+  // S^T and dP^T: (keys, queries, head_dim); warpgroup w: queries [32w, 32w + 32).
+  using TiledMmaSdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockM / 2>, Int<kHeadDim>>>(), SplitN{}));
+  // dV and dK: (keys, head_dim, queries); A = P^T / dS^T (queries contiguous), B = dO^T / Q^T (MN-major).
+  using TiledMmadKV = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHalf>, Int<kBlockM>>, GMMA::Major::K,
+                           GMMA::Major::MN>(),
+      SplitN{}));
+  // dQ = dS K: (queries, head_dim, keys), A = dS (queries contiguous), B = K^T.
+  using TiledMmadQ = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kHalf>, Int<kBlockN>>,
+                           GMMA::Major::MN, GMMA::Major::MN>(),
+      SplitN{}));
+
+  // Operands sliced along head_dim by warpgroup (K, Q, dO) use atoms sized by the half, so each slice
+  // starts on an atom boundary (a canonical GMMA layout); V is only read whole.
+  using SmemLayoutK = decltype(tile_to_shape(gmma_smem_atom<Element, kHalf, GMMA::Major::K>(),
+                                             Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  using SmemLayoutV = decltype(tile_to_shape(gmma_smem_atom<Element, kHeadDim, GMMA::Major::K>(),
+                                             Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  using SmemLayoutQ = decltype(tile_to_shape(gmma_smem_atom<Element, kHalf, GMMA::Major::K>(),
+                                             Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutdO = SmemLayoutQ;
+  using SmemLayoutQt = decltype(composition(
+      SmemLayoutQ{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{},
+                                 Stride<Int<kBlockM>, _1, Int<kBlockM * kHeadDim>>{})));
+  using SmemLayoutdOt = SmemLayoutQt;
+  using SmemLayoutKt = decltype(composition(
+      SmemLayoutK{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{})));
+  // P and dS: (queries, keys, buffer), queries contiguous; the (keys, queries, buffer) view of the same
+  // bytes is the K-major A operand of the dV / dK GEMMs and the stmatrix destination.
+  using SmemLayoutdS = decltype(tile_to_shape(gmma_smem_atom<Element, kBlockM, GMMA::Major::MN>(),
+                                              Shape<Int<kBlockM>, Int<kBlockN>, _2>{}));
+  using SmemLayoutdSt = decltype(composition(
+      SmemLayoutdS{}, make_layout(Shape<Int<kBlockN>, Int<kBlockM>, _2>{},
+                                  Stride<Int<kBlockM>, _1, Int<kBlockM * kBlockN>>{})));
+  using SmemLayoutRow = Layout<Shape<Int<kBlockM>, Int<kStages>>>;
+
+  using PipelineQdO = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineState = typename PipelineQdO::PipelineState;
+
+  static constexpr int kdQChunk = kBlockM * kHeadDim / kNumMmaWarpGroups;  // floats per warpgroup per step
+  static_assert(kdQChunk % (4 * 128) == 0, "each thread's dQ fragment must be whole float4s");
+
+  static constexpr uint32_t kTmaBytesKV = 2 * kBlockN * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kTmaBytesQdO = 2 * kBlockM * kHeadDim * sizeof(Element) + 2 * kBlockM * sizeof(float);
+
+  struct SharedStorage {
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutV>> v;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdO>> dout;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdS>> p;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdS>> ds;
+    alignas(128) cute::array_aligned<float, cosize_v<SmemLayoutRow>> lse_log2;
     alignas(128) cute::array_aligned<float, cosize_v<SmemLayoutRow>> dpsum;
     alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_kv;
     typename PipelineQdO::SharedStorage pipeline_qdo;
