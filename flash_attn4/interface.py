@@ -160,8 +160,8 @@ def attn(
         lse: (batch, nheads_q, seqlen_q) float32, natural log. A row that sees no key has out = 0, lse = -inf.
 
     The inputs are never modified. Gradients flow to q, k, v (and through lse): on Hopper through the
-    sm90 backward kernel (head dims up to 128 so far; larger ones and the options the kernels lack fall back
-    to the PyTorch reference with a warning), elsewhere through the reference.
+    sm90 backward kernel (options the kernels lack fall back to the PyTorch reference with a warning),
+    elsewhere through the reference.
     """
     _validate_tensors(q, k, v)
     softmax_scale, left, right, softcap = _validate_options(
