@@ -520,13 +520,12 @@ struct BwdKernelSm90 {
         copy(smem_copy_PdS, smem_thr_copy_PdS.retile_S(tdSrdS), tdSsdSt(_, _, _, buf));
         cutlass::arch::fence_view_async_shared();
         named_barrier_sync(Traits::kNumMmaThreads, int(BwdBarrier::kdS));
+        // dQ first, so its reductions below run while the dV and dK GEMMs still occupy the tensor cores.
+        warpgroup_gemm<true, -1>(mma_dq, tdQrdS(_, _, _, buf), tdQrKt, tdQrdQ);
         warpgroup_gemm<false, -1>(mma_dkv, tdVrPt(_, _, _, buf), tdVrdOt(_, _, _, s), tdVrdV);
         warpgroup_gemm<false, -1>(mma_dkv, tdKrdSt(_, _, _, buf), tdKrQt(_, _, _, s), tdKrdK);
-        warpgroup_gemm<true, 0>(mma_dq, tdQrdS(_, _, _, buf), tdQrKt, tdQrdQ);
-        warpgroup_fence_operand(tdVrdV);
-        warpgroup_fence_operand(tdKrdK);
-        if (wg_thread == 0) pipeline.consumer_release(read);
-        ++read;
+        warpgroup_wait<2>();
+        warpgroup_fence_operand(tdQrdQ);
 
         // dQ: deterministic mode takes turns as the narrow kernel's writer warp does (one poller, then
         // a barrier of both consumer warpgroups; release after every thread's reductions are visible).
@@ -548,6 +547,11 @@ struct BwdKernelSm90 {
           named_barrier_sync(Traits::kNumMmaThreads, int(BwdBarrier::kdQFull0));
           if (thread_idx == 0) release_increment_gpu(semaphore + m_block);
         }
+        warpgroup_wait<0>();  // dV and dK, the last readers of this Q/dO stage
+        warpgroup_fence_operand(tdVrdV);
+        warpgroup_fence_operand(tdKrdK);
+        if (wg_thread == 0) pipeline.consumer_release(read);
+        ++read;
       }
     }
   }
