@@ -18,6 +18,7 @@ from flash_attn4 import _build_info  # noqa: E402
 from flash_attn4.integrations import hf  # noqa: E402
 
 hf.register()
+_TF_VERSION = tuple(int(x) for x in transformers.__version__.split(".")[:2])
 
 _COMMON = dict(
     vocab_size=128,
@@ -51,8 +52,7 @@ def _models(kind: str, other: str = "eager", dtype=torch.float32, device="cpu"):
     torch.manual_seed(0)
     ref = transformers.AutoModelForCausalLM.from_config(_config(kind), attn_implementation=other)
     ref = ref.to(device=device, dtype=dtype).eval()
-    ours = copy.deepcopy(ref)
-    ours.set_attn_implementation(hf.NAME)
+    ours = flash_attn4.patch_transformers(copy.deepcopy(ref))  # set_attn_implementation where it exists
     return ref, ours
 
 
@@ -75,6 +75,11 @@ DEVICE_IDS = [d for d, _, _ in DEVICES]
 @pytest.mark.parametrize("left", [True, False], ids=["left_pad", "right_pad"])
 @pytest.mark.parametrize("device, dtype, tol", DEVICES, ids=DEVICE_IDS)
 def test_padded_logits_match_eager(kind, left, device, dtype, tol):
+    if kind in ("qwen2", "gemma2") and _TF_VERSION < (4, 53):
+        # Seen with 4.48: its eager path warns "Sliding Window Attention is enabled but not implemented for
+        # eager" (Qwen2) and builds Gemma-2's sliding layers differently, so eager is not the reference
+        # there; transformers' own flash path honours the window from the kwargs, as we do.
+        pytest.skip(f"transformers {transformers.__version__}: eager ignores these models' sliding window")
     ref, ours = _models(kind, dtype=dtype, device=device)
     ids, mask = _batch(device, left)
     with torch.no_grad():

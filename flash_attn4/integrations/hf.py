@@ -10,7 +10,7 @@ q/k/v arrive as (batch, heads, seqlen, head_dim) with k/v not repeated for GQA, 
 (batch, seqlen, heads, head_dim). The mask function registered beside it (transformers >= 4.53) hands us
 transformers' 2-D padding mask (or None when nothing is padded); a padded batch is unpadded into
 `attn_varlen` and padded back (left or right padding; pad rows get zeros, never NaN). Before 4.53 the model
-passes a 4-D additive mask, from whose last query row the same padding mask is read.
+passes a 4-D mask, from which the same padding mask is read (see `_padding_mask`).
 
 The name is "fa4": transformers treats names containing "flash", "sdpa", "flex_attention" or "/"
 specially, so ours avoids them.
@@ -34,21 +34,29 @@ def _is_compiling() -> bool:
     return bool(getattr(torch.compiler, "is_compiling", lambda: False)())
 
 
-def _padding_mask(attention_mask: Tensor | None, q_len: int) -> Tensor | None:
-    """The (batch, kv_len) bool padding mask (True = real token), or None when there is none.
+def _padding_mask(attention_mask: Tensor | None, kv_len: int) -> Tensor | None:
+    """The (batch, L) bool padding mask (True = real token, L <= kv_len), or None when there is none.
 
-    transformers >= 4.53 with our mask function gives exactly that. Older versions give a 4-D additive float
-    mask (batch, 1, q_len, kv_len [+1]) holding causality and padding; its last query row sees every real
-    key, so it is the padding mask.
+    transformers >= 4.53 with our mask function gives exactly that (L < kv_len with a StaticCache). Older
+    versions give a 4-D mask (batch, 1, q_len, kv_len [+1 extra column]), additive float or bool, holding
+    causality, padding and any sliding window: a key is real iff some query sees it (each real query sees
+    itself; a key no query sees is invisible anyway, and such keys are the oldest ones, so dropping them
+    leaves the bottom-right alignment intact), and trailing columns nobody sees (a StaticCache's unfilled
+    slots) are cut off.
     """
     if attention_mask is None:
         return None
     if attention_mask.dim() == 2:
         return attention_mask.bool()
     if attention_mask.dim() == 4:
-        last = attention_mask[:, 0, -1, :]
-        keep = last if last.dtype == torch.bool else last == 0
-        return None if _is_compiling() else (None if bool(keep.all()) else keep)
+        if _is_compiling():
+            return None  # data-dependent; under torch.compile the 4-D path assumes no padding
+        m = attention_mask[..., :kv_len]
+        seen = (m if m.dtype == torch.bool else m == 0).any(dim=2)[:, 0]  # (batch, kv_len)
+        cols = torch.nonzero(seen.any(dim=0)).reshape(-1)
+        length = int(cols.max()) + 1 if cols.numel() else kv_len
+        seen = seen[:, :length]
+        return None if length == kv_len and bool(seen.all()) else seen
     raise ValueError(
         f"flash_attn4 ({NAME}) got an attention mask of shape {tuple(attention_mask.shape)}; it takes "
         "transformers' 2-D padding mask or its 4-D causal/padding mask, not arbitrary masks"
@@ -153,7 +161,7 @@ def attention_forward(
         # layer not causal, as many after it).
         kw["window_size"] = (sliding_window - 1, 0 if causal else sliding_window - 1)
 
-    keep = _padding_mask(attention_mask, sq)
+    keep = _padding_mask(attention_mask, k.shape[1])
     if keep is not None:
         out = _attn_padded(q, k, v, keep, causal, **kw)
     elif all(kwargs.get(n) is not None for n in ("cu_seq_lens_q", "cu_seq_lens_k")):
