@@ -10,6 +10,9 @@ CUTLASS_PIN = "nvidia-cutlass==4.2.0.0"
 
 # sm_90a (not sm_90): wgmma and setmaxnreg exist only in the arch-specific target.
 GENCODE_SM90A = "-gencode=arch=compute_90a,code=sm_90a"
+# The sm80 path (cp.async + mma.sync) runs on every GPU from Ampere on; sm_80 SASS also runs on sm_86/89.
+GENCODE_SM80 = "-gencode=arch=compute_80,code=sm_80"
+GENCODES = {80: GENCODE_SM80, 90: GENCODE_SM90A}
 
 NVCC_FLAGS = [
     "-O3",

@@ -27,4 +27,23 @@ constexpr FwdTileSm90 fwd_tile_sm90(int head_dim, bool causal) {
                            : FwdTileSm90{128, 64, 2};
 }
 
+// sm80 forward (cp.async + mma.sync): kBlockM query rows over kWarps warps (16 rows per warp per slab),
+// kBlockN keys, one K and one V buffer. Registers per thread: O = kBlockM / (16 kWarps) * head_dim / 2 fp32,
+// S = kBlockM / (16 kWarps) * kBlockN / 2, P half of S. With 4 warps, hdim 128 at kBlockN = 64 used 255
+// registers and spilled 100 bytes (O 128 + S 64 + P 32); kBlockN = 32 halves S and P. 8 warps at hdim
+// >= 192 give each warp one 16-row slab, so O is 128 registers at hdim 256. Shared memory (Q + K + V): hdim
+// 128 at 128 x 32 is 48 KB, hdim 256 at 128 x 64 is 128 KB (one CTA on A100 and H100; too large for sm86/89's
+// 99 KB, which will need its own row of this table). Not yet measured on a GPU.
+struct FwdTileSm80 {
+  int block_m;
+  int block_n;
+  int warps;
+};
+
+constexpr FwdTileSm80 fwd_tile_sm80(int head_dim) {
+  return head_dim <= 64    ? FwdTileSm80{128, 64, 4}
+         : head_dim <= 128 ? FwdTileSm80{128, 32, 4}
+                           : FwdTileSm80{128, 64, 8};
+}
+
 }  // namespace flash4

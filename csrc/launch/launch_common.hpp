@@ -25,10 +25,9 @@ inline void check_cuda(cudaError_t err, const char* what) {
   }
 }
 
-// Builds Kernel's Params from the torch-free params `p` and launches kernel_entry_sm90<Kernel> on `stream`.
-template <class Kernel, class HostParams>
-void launch_sm90(const HostParams& p, cudaStream_t stream, const char* what) {
-  auto kernel = kernel_entry_sm90<Kernel>;
+// Launches `entry` (a kernel_entry_smXX<Kernel>) with Kernel's Params built from the torch-free params `p`.
+template <class Kernel, class Entry, class HostParams>
+void launch_kernel(Entry entry, const HostParams& p, cudaStream_t stream, const char* what) {
   // Beyond 48 KB a kernel must opt in to dynamic shared memory. The attribute is sticky but belongs to
   // the current device's context, so it is set once per device (bit d of a mask), not once per process.
   static std::atomic<uint64_t> attr_set_on_device{0};
@@ -36,13 +35,19 @@ void launch_sm90(const HostParams& p, cudaStream_t stream, const char* what) {
   check_cuda(cudaGetDevice(&device), "cudaGetDevice");
   const uint64_t bit = uint64_t(1) << (device & 63);
   if (!(attr_set_on_device.load(std::memory_order_relaxed) & bit)) {
-    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes),
+    check_cuda(cudaFuncSetAttribute(entry, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes),
                "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
     attr_set_on_device.fetch_or(bit, std::memory_order_relaxed);
   }
   const typename Kernel::Params params = Kernel::to_params(p);
-  kernel<<<Kernel::grid(p), Kernel::kNumThreads, Kernel::kSmemBytes, stream>>>(params);
+  entry<<<Kernel::grid(p), Kernel::kNumThreads, Kernel::kSmemBytes, stream>>>(params);
   check_cuda(cudaGetLastError(), what);
+}
+
+// Builds Kernel's Params from the torch-free params `p` and launches kernel_entry_sm90<Kernel> on `stream`.
+template <class Kernel, class HostParams>
+void launch_sm90(const HostParams& p, cudaStream_t stream, const char* what) {
+  launch_kernel<Kernel>(kernel_entry_sm90<Kernel>, p, stream, what);
 }
 
 }  // namespace flash4

@@ -1,0 +1,22 @@
+// Host side of the sm80 forward: picks the tile for the head dim and launches. Included once per generated
+// sm80 instantiation .cu.
+#pragma once
+
+#include "../common/tile_size.h"
+#include "../dispatch.h"
+#include "../sm80/kernel_entry_sm80.hpp"
+#include "../sm80/kernel_fwd_sm80.hpp"
+#include "../sm80/kernel_traits_fwd_sm80.hpp"
+#include "launch_common.hpp"
+
+namespace flash4 {
+
+template <DType kDType, int kHeadDim, bool kCausal>
+void run_fwd_sm80(const FwdParams& p, cudaStream_t stream) {
+  constexpr FwdTileSm80 tile = fwd_tile_sm80(kHeadDim);
+  using Traits = FwdTraitsSm80<CutlassElement<kDType>, kHeadDim, tile.block_m, tile.block_n, tile.warps>;
+  using Kernel = FwdKernelSm80<Traits, kCausal>;
+  launch_kernel<Kernel>(kernel_entry_sm80<Kernel>, p, stream, "sm80 forward kernel launch");
+}
+
+}  // namespace flash4

@@ -1,0 +1,270 @@
+// sm80 forward kernel: one CTA per (kBlockM query rows, query head, batch), looping over key blocks from the
+// last one down (the causal diagonal blocks, the only masked ones, come first).
+//
+// Per key block n, with K[n] already in shared memory:
+//   wait for K[n]; start V[n] (cp.async);  S = Q K[n]^T (ldmatrix + mma.sync);  mask (boundary blocks)
+//   wait for V[n]; start K[n-1];           online softmax, rescale O;  O += P V[n] (P from registers)
+// so each load overlaps the other GEMM. Rows past seqlen_q and keys past seqlen_k are zero-filled in shared
+// memory (never read from global memory) and masked. The epilogue stages O through Q's shared memory for
+// 16-byte stores and writes the natural-log LSE.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_conversion.h>
+
+#include "../common/block_info.hpp"
+#include "../common/mask.hpp"
+#include "../common/softmax.hpp"
+#include "../params.h"
+#include "kernel_traits_fwd_sm80.hpp"
+
+namespace flash4 {
+
+using namespace cute;
+
+// mma.sync m16n8 accumulator, per thread ((2, 2), MMA_M, MMA_N) = (column pair, row + 8): as (rows, cols).
+template <class Layout>
+CUTE_HOST_DEVICE constexpr auto sm80_acc_rowcol_layout(Layout acc) {
+  static_assert(decltype(rank<0>(acc))::value == 2 && decltype(rank(acc))::value == 3);
+  return make_layout(make_layout(get<0, 1>(acc), get<1>(acc)), make_layout(get<0, 0>(acc), get<2>(acc)));
+}
+
+// The same registers as the A operand of an m16n8k16 MMA: two neighbouring n8 accumulator tiles form one k16
+// A tile, ((2, 2), M, N) -> ((2, 2, 2), M, N / 2). No data movement.
+template <class Layout>
+CUTE_HOST_DEVICE constexpr auto sm80_acc_as_a_layout(Layout acc) {
+  static_assert(decltype(size<2>(acc))::value % 2 == 0);
+  auto l = logical_divide(acc, Shape<Underscore, Underscore, _2>{});  // ((2, 2), M, (2, N / 2))
+  return make_layout(make_layout(get<0, 0>(l), get<0, 1>(l), get<2, 0>(l)), get<1>(l), get<2, 1>(l));
+}
+
+// Rows [0, valid_rows) of a tile from global to shared memory with cp.async; the other rows are zeroed with
+// plain stores (nothing past the tensor's end is read). `coord` is the copy partition of the tile's identity.
+template <class TiledCopy, class TS, class TD, class TC>
+CUTE_DEVICE void copy_rows(TiledCopy const& tiled_copy, TS const& src, TD& dst, TC const& coord, int valid_rows) {
+#pragma unroll
+  for (int m = 0; m < size<1>(dst); ++m) {
+    if (get<0>(coord(0, m, 0)) < valid_rows) {
+      copy(tiled_copy, src(_, m, _), dst(_, m, _));
+    } else {
+      clear(dst(_, m, _));
+    }
+  }
+}
+
+// acc += A B with both operands in shared memory, loading k-slice k + 1 into registers while slice k
+// multiplies.
+template <class TiledMma, class TA, class TB, class TC, class SA, class SB, class CopyA, class CopyB>
+CUTE_DEVICE void gemm_smem(TiledMma& mma, TA& tCrA, TB& tCrB, TC& acc, SA const& tCsA, SB const& tCsB,
+                           CopyA const& copy_a, CopyB const& copy_b) {
+  auto thr_a = copy_a.get_thread_slice(threadIdx.x);
+  auto thr_b = copy_b.get_thread_slice(threadIdx.x);
+  Tensor tCrA_view = thr_a.retile_D(tCrA);
+  Tensor tCrB_view = thr_b.retile_D(tCrB);
+  copy(copy_a, tCsA(_, _, _0{}), tCrA_view(_, _, _0{}));
+  copy(copy_b, tCsB(_, _, _0{}), tCrB_view(_, _, _0{}));
+#pragma unroll
+  for (int k = 0; k < size<2>(tCrA); ++k) {
+    if (k + 1 < size<2>(tCrA)) {
+      copy(copy_a, tCsA(_, _, k + 1), tCrA_view(_, _, k + 1));
+      copy(copy_b, tCsB(_, _, k + 1), tCrB_view(_, _, k + 1));
+    }
+    cute::gemm(mma, tCrA(_, _, k), tCrB(_, _, k), acc);
+  }
+}
+
+// acc += A B with A already in registers.
+template <class TiledMma, class TA, class TB, class TC, class SB, class CopyB>
+CUTE_DEVICE void gemm_rs(TiledMma& mma, TA const& tCrA, TB& tCrB, TC& acc, SB const& tCsB, CopyB const& copy_b) {
+  auto thr_b = copy_b.get_thread_slice(threadIdx.x);
+  Tensor tCrB_view = thr_b.retile_D(tCrB);
+  copy(copy_b, tCsB(_, _, _0{}), tCrB_view(_, _, _0{}));
+#pragma unroll
+  for (int k = 0; k < size<2>(tCrA); ++k) {
+    if (k + 1 < size<2>(tCrA)) copy(copy_b, tCsB(_, _, k + 1), tCrB_view(_, _, k + 1));
+    cute::gemm(mma, tCrA(_, _, k), tCrB(_, _, k), acc);
+  }
+}
+
+template <class Traits_, bool kCausal>
+struct FwdKernelSm80 {
+  using Traits = Traits_;
+  using Element = typename Traits::Element;
+  static constexpr int kBlockM = Traits::kBlockM;
+  static constexpr int kBlockN = Traits::kBlockN;
+  static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kNumThreads = Traits::kNumThreads;
+  static constexpr int kSmemBytes = Traits::kSmemBytes;
+  using Params = FwdParams;  // plain pointers and strides: no descriptors to build on the host
+
+  static Params to_params(FwdParams const& p) { return p; }
+  static dim3 grid(FwdParams const& p) {
+    return dim3((p.seqlen_q + kBlockM - 1) / kBlockM, p.nheads_q, p.batch);
+  }
+
+  // A tile no row of which sees a key (causal, seqlen_q > seqlen_k): out = 0, lse = -inf.
+  CUTE_DEVICE void write_empty(Params const& p, Element* o, float* lse, int m_block) const {
+    constexpr int kVecs = kHeadDim / 8;  // 16-byte vectors per row
+    for (int i = threadIdx.x; i < kBlockM * kVecs; i += kNumThreads) {
+      const int row = m_block * kBlockM + i / kVecs;
+      if (row < p.seqlen_q) {
+        *reinterpret_cast<cute::uint128_t*>(o + row * p.o_row_stride + (i % kVecs) * 8) = cute::uint128_t{0, 0};
+      }
+    }
+    for (int i = threadIdx.x; i < kBlockM; i += kNumThreads) {
+      const int row = m_block * kBlockM + i;
+      if (row < p.seqlen_q) lse[row] = -INFINITY;
+    }
+  }
+
+  CUTE_DEVICE void operator()(Params const& p, char* smem_buf) const {
+    const int m_block = kCausal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);  // heavy tiles first
+    const int bidh = blockIdx.y, bidb = blockIdx.z;
+    const int bidh_kv = bidh / (p.nheads_q / p.nheads_kv);
+    const int tid = threadIdx.x;
+    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k;
+
+    Element* o = static_cast<Element*>(p.o) + bidb * p.o_batch_stride + bidh * p.o_head_stride;
+    float* lse = p.lse + (int64_t(bidb) * p.nheads_q + bidh) * seqlen_q;
+    const int n_max = n_block_max<kBlockM, kBlockN, kCausal>(m_block, seqlen_q, seqlen_k);
+    if (n_max <= 0) {
+      write_empty(p, o, lse, m_block);
+      return;
+    }
+
+    auto gtensor = [&](const void* base, int64_t batch_stride, int64_t head_stride, int64_t row_stride,
+                       int rows) {
+      auto ptr = static_cast<Element const*>(base) + bidb * batch_stride + head_stride;
+      return make_tensor(make_gmem_ptr(ptr), make_shape(rows, Int<kHeadDim>{}), make_stride(row_stride, _1{}));
+    };
+    Tensor mQ = gtensor(p.q, p.q_batch_stride, bidh * p.q_head_stride, p.q_row_stride, seqlen_q);
+    Tensor mK = gtensor(p.k, p.k_batch_stride, bidh_kv * p.k_head_stride, p.k_row_stride, seqlen_k);
+    Tensor mV = gtensor(p.v, p.v_batch_stride, bidh_kv * p.v_head_stride, p.v_row_stride, seqlen_k);
+    Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, _0{}));
+    Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (N, D, n)
+    Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+
+    Element* smem = reinterpret_cast<Element*>(smem_buf);
+    Tensor sQ = make_tensor(make_smem_ptr(smem), typename Traits::SmemLayoutQ{});
+    Tensor sK = make_tensor(sQ.data() + size(sQ), typename Traits::SmemLayoutKV{});
+    Tensor sV = make_tensor(sK.data() + size(sK), typename Traits::SmemLayoutKV{});
+    Tensor sVt = make_tensor(sV.data(), typename Traits::SmemLayoutVt{});
+
+    typename Traits::GmemTiledCopy gmem_copy;
+    auto gthr = gmem_copy.get_thread_slice(tid);
+    Tensor tQgQ = gthr.partition_S(gQ);
+    Tensor tQsQ = gthr.partition_D(sQ);
+    Tensor tKgK = gthr.partition_S(gK);  // (CPY, CPY_N, CPY_K, n)
+    Tensor tKsK = gthr.partition_D(sK);
+    Tensor tVgV = gthr.partition_S(gV);
+    Tensor tVsV = gthr.partition_D(sV);
+    Tensor tQcQ = gthr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    Tensor tKVcKV = gthr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+
+    int n = n_max - 1;
+    copy_rows(gmem_copy, tQgQ, tQsQ, tQcQ, seqlen_q - m_block * kBlockM);
+    copy_rows(gmem_copy, tKgK(_, _, _, n), tKsK, tKVcKV, seqlen_k - n * kBlockN);
+    cp_async_fence();
+
+    typename Traits::TiledMma tiled_mma;
+    auto thr_mma = tiled_mma.get_thread_slice(tid);
+    Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
+    Tensor tSrK = thr_mma.partition_fragment_B(sK);
+    Tensor tOrVt = thr_mma.partition_fragment_B(sVt);
+    Tensor tOrO = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    clear(tOrO);
+    auto copy_q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
+    auto copy_k = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma);
+    auto copy_v = make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, tiled_mma);
+    Tensor tSsQ = copy_q.get_thread_slice(tid).partition_S(sQ);
+    Tensor tSsK = copy_k.get_thread_slice(tid).partition_S(sK);
+    Tensor tOsVt = copy_v.get_thread_slice(tid).partition_S(sVt);
+
+    using TileS = Shape<Int<kBlockM>, Int<kBlockN>>;
+    Tensor tScS = thr_mma.partition_C(make_identity_tensor(TileS{}));
+    Tensor tScS_rc = make_tensor(tScS.data(), sm80_acc_rowcol_layout(tScS.layout()));
+    Tensor tOrO_rc = make_tensor(tOrO.data(), sm80_acc_rowcol_layout(tOrO.layout()));
+    constexpr int kRows = decltype(size<0>(tOrO_rc))::value;
+    OnlineSoftmax<kRows> softmax(p.softmax_scale_log2);
+
+    // Key blocks from mask_from on may hold keys past seqlen_k or right of some row's diagonal.
+    int mask_from = seqlen_k % kBlockN == 0 ? n_max : n_max - 1;
+    if constexpr (kCausal) {
+      mask_from = cute::min(mask_from, n_block_min_causal_mask<kBlockM, kBlockN>(m_block, seqlen_q, seqlen_k));
+    }
+
+#pragma unroll 1
+    for (bool first = true; n >= 0; --n, first = false) {
+      Tensor tSrS = partition_fragment_C(tiled_mma, TileS{});
+      clear(tSrS);
+      cp_async_wait<0>();
+      __syncthreads();  // K[n] (and Q) visible to all; every warp is done with V[n + 1]
+      copy_rows(gmem_copy, tVgV(_, _, _, n), tVsV, tKVcKV, seqlen_k - n * kBlockN);
+      cp_async_fence();
+
+      gemm_smem(tiled_mma, tSrQ, tSrK, tSrS, tSsQ, tSsK, copy_q, copy_k);
+      Tensor tSrS_rc = make_tensor(tSrS.data(), sm80_acc_rowcol_layout(tSrS.layout()));
+      if (n >= mask_from) {
+        apply_mask<kCausal>(tSrS_rc, tScS_rc, m_block * kBlockM, n * kBlockN, seqlen_q, seqlen_k);
+      }
+
+      cp_async_wait<0>();
+      __syncthreads();  // V[n] visible to all; every warp is done with K[n]
+      if (n > 0) {
+        copy_rows(gmem_copy, tKgK(_, _, _, n - 1), tKsK, tKVcKV, seqlen_k - (n - 1) * kBlockN);
+        cp_async_fence();
+      }
+
+      if (first) {
+        softmax.template update<true>(tSrS_rc);
+      } else {
+        const auto o_scale = softmax.template update<false>(tSrS_rc);
+        softmax.rescale(tOrO_rc, o_scale);
+      }
+      Tensor tOrP = make_tensor_like<Element>(tSrS);
+      cutlass::NumericArrayConverter<Element, float, decltype(size(tSrS))::value> convert;
+      *reinterpret_cast<cutlass::Array<Element, decltype(size(tSrS))::value>*>(tOrP.data()) =
+          convert(*reinterpret_cast<cutlass::Array<float, decltype(size(tSrS))::value> const*>(tSrS.data()));
+      Tensor tOrP_a = make_tensor(tOrP.data(), sm80_acc_as_a_layout(tOrP.layout()));
+      gemm_rs(tiled_mma, tOrP_a, tOrVt, tOrO, tOsVt, copy_v);
+    }
+
+    // Epilogue: normalize, O -> shared memory (Q's buffer; every warp is past its last read of Q) ->
+    // global with 16-byte stores, rows past seqlen_q skipped; LSE from the lanes that own column 0.
+    cute::array<float, kRows> row_lse;
+    const auto inv = softmax.finalize(p.softmax_scale, row_lse);
+    softmax.rescale(tOrO_rc, inv);
+    Tensor tOrO_out = make_tensor_like<Element>(tOrO);
+    cutlass::NumericArrayConverter<Element, float, decltype(size(tOrO))::value> convert_o;
+    *reinterpret_cast<cutlass::Array<Element, decltype(size(tOrO))::value>*>(tOrO_out.data()) =
+        convert_o(*reinterpret_cast<cutlass::Array<float, decltype(size(tOrO))::value> const*>(tOrO.data()));
+    __syncthreads();
+    auto copy_o = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, tiled_mma);
+    auto thr_copy_o = copy_o.get_thread_slice(tid);
+    copy(copy_o, thr_copy_o.retile_S(tOrO_out), thr_copy_o.partition_D(sQ));
+
+    Tensor tOcO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    Tensor tOcO_rc = make_tensor(tOcO.data(), sm80_acc_rowcol_layout(tOcO.layout()));
+    if (get<1>(tOcO_rc(0, 0)) == 0) {  // one lane of each row's group of four
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const int row = m_block * kBlockM + get<0>(tOcO_rc(r, 0));
+        if (row < seqlen_q) lse[row] = row_lse[r];
+      }
+    }
+    __syncthreads();
+    Tensor mO = make_tensor(make_gmem_ptr(o), make_shape(seqlen_q, Int<kHeadDim>{}), make_stride(p.o_row_stride, _1{}));
+    Tensor gO = local_tile(mO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, _0{}));
+    typename Traits::GmemTiledCopyO gmem_copy_o;
+    auto gthr_o = gmem_copy_o.get_thread_slice(tid);
+    Tensor tOsO = gthr_o.partition_S(sQ);
+    Tensor tOgO = gthr_o.partition_D(gO);
+    Tensor tOcO_g = gthr_o.partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+#pragma unroll
+    for (int m = 0; m < size<1>(tOgO); ++m) {
+      if (m_block * kBlockM + get<0>(tOcO_g(0, m, 0)) < seqlen_q) copy(gmem_copy_o, tOsO(_, m, _), tOgO(_, m, _));
+    }
+  }
+};
+
+}  // namespace flash4
