@@ -117,7 +117,7 @@ def make_impl(name: str, q, k, v, causal: bool, bwd: bool = False, deterministic
         from flash_attn4 import _build_info, attn
 
         ok, why = _build_info.kernel_available(q.device, q.dtype, q.shape[-1])
-        if ok and bwd and _build_info.backward_padded_hdim(q.dtype, q.shape[-1]) is None:
+        if ok and bwd and _build_info.backward_padded_hdim(q.dtype, q.shape[-1], q.device) is None:
             ok, why = False, f"no backward kernel for head dim {q.shape[-1]} yet"
         if not ok:
             raise RuntimeError(f"kernel unavailable: {why}")

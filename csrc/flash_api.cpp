@@ -3,6 +3,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
+#include <cstdlib>
 #include <optional>
 #include <string>
 #include <vector>
@@ -44,6 +45,16 @@ void check_tma_layout(const at::Tensor& t, const char* name) {
 int device_arch(const at::Tensor& t) {
   const cudaDeviceProp* prop = at::cuda::getDeviceProperties(t.get_device());
   return prop->major * 10 + prop->minor;
+}
+
+// Forward kernel family for a device (flash_attn4/_build_info.py kernel_arch decides the same): the sm_90a
+// kernels on compute capability 9.0 (arch-specific target, not forward compatible), the sm80 path on 8.x and
+// on 9.x with FLASH_ATTN4_FORCE_SM80=1; 0 = none.
+int fwd_kernel_arch(int arch) {
+  const char* force = std::getenv("FLASH_ATTN4_FORCE_SM80");
+  const bool force80 = force != nullptr && std::string(force) == "1";
+  if (arch == 90 && !force80 && flash4::find_any_fwd_kernel(90)) return 90;
+  return arch >= 80 ? 80 : 0;
 }
 
 // Writes softmax(q k^T * scale) v into `out` (b, sq, hq, d) and the natural-log LSE into `lse`
@@ -88,8 +99,7 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
 
   const DType kdtype = dtype == at::kBFloat16 ? DType::kBF16 : DType::kFP16;
   const int arch = device_arch(q);
-  // The sm_90a kernels run on compute capability 9.0 only (arch-specific target, not forward compatible).
-  const int kernel_arch = arch == 90 ? 90 : 0;
+  const int kernel_arch = fwd_kernel_arch(arch);
   const flash4::FwdKernelEntry* entry = flash4::find_fwd_kernel(kernel_arch, kdtype, int(head_dim), causal);
   TORCH_CHECK(entry != nullptr,
               "flash_attn4: no compiled forward kernel for sm_" + str(arch) + ", " +

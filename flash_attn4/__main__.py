@@ -61,13 +61,17 @@ def explain_path(shape: tuple[int, ...], dtype: torch.dtype, causal: bool) -> No
     if ok:
         padded = _build_info.padded_hdim(d)
         pad = f" (head dim zero-padded to {padded})" if padded != d else ""
-        print(f"forward: the sm90 CUDA kernel on {device}{pad}")
-        bwd_padded = _build_info.backward_padded_hdim(dtype, d)
+        arch = _build_info.kernel_arch(device)[0]
+        print(f"forward: the sm{arch} CUDA kernel on {device}{pad}")
+        bwd_padded = _build_info.backward_padded_hdim(dtype, d, device)
         if bwd_padded is None:
             bwd_hdims = _build_info.backward_hdims(_build_info.dtype_name(dtype))
-            print(
-                f"backward: the PyTorch reference (no backward kernel for head dim {d}; built: {bwd_hdims})"
+            why = (
+                f"the sm{arch} path has no backward kernel yet"
+                if arch != 90
+                else (f"no backward kernel for head dim {d}; built: {bwd_hdims}")
             )
+            print(f"backward: the PyTorch reference ({why})")
         else:
             pad = f" (head dim zero-padded to {bwd_padded})" if bwd_padded != d else ""
             print(f"backward: the sm90 CUDA kernel on {device}{pad}")
@@ -129,7 +133,7 @@ def self_test() -> bool:
     for device, dtype in cases:
         path = "reference"
         if _build_info.kernel_available(device, dtype, 64)[0]:
-            bwd = _build_info.backward_padded_hdim(dtype, 64) is not None
+            bwd = _build_info.backward_padded_hdim(dtype, 64, device) is not None
             path = "kernel fwd+bwd" if bwd else "kernel fwd, reference bwd"
         for causal in (False, True):
             with warnings.catch_warnings():

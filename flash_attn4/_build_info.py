@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 from types import ModuleType
 
 import torch
@@ -80,23 +81,46 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def force_sm80() -> bool:
+    """FLASH_ATTN4_FORCE_SM80=1: Hopper GPUs take the Ampere-path kernels (to test that path on one GPU).
+    The C++ dispatch reads the same variable."""
+    return os.environ.get("FLASH_ATTN4_FORCE_SM80", "0") == "1"
+
+
+def kernel_arch(device: torch.device) -> tuple[int | None, str]:
+    """The kernel family that serves a CUDA device: 90 (compute capability 9.0, sm_90a kernels) or 80
+    (compute capability 8.x, or 9.x with FLASH_ATTN4_FORCE_SM80=1; needs a build with FLASH_ATTN4_ARCHS
+    including 80), else (None, why)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major, minor = _capability(index)
+    if major == 9 and minor == 0 and not force_sm80() and "sm90" in ARCHS:
+        return 90, ""
+    if major >= 8 and "sm80" in ARCHS:
+        return 80, ""
+    if major >= 8:
+        want = "sm90" if major == 9 and not force_sm80() else "sm80"
+        hint = "" if want == "sm90" else " (FLASH_ATTN4_ARCHS=90,80 adds the Ampere-path kernels)"
+        return (
+            None,
+            f"flash_attn4 was built for {ARCHS or 'no arch'}, without {want} kernels{hint}; {_REBUILD_HINT}",
+        )
+    return None, (
+        f"flash_attn4's CUDA kernels need compute capability 8.0 or newer; cuda:{index} is sm{major}{minor}; "
+        "the PyTorch reference runs instead"
+    )
+
+
 def kernel_available(device: torch.device, dtype: torch.dtype, hdim: int) -> tuple[bool, str]:
-    """Whether a compiled kernel can run (device, dtype, head dim). Returns (ok, reason when not ok)."""
+    """Whether a compiled forward kernel can run (device, dtype, head dim). Returns (ok, reason when not)."""
     device = torch.device(device)
     if device.type != "cuda":
         return False, f"{device.type} tensors always use the PyTorch reference"
     ext, why = load_extension()
     if ext is None:
         return False, why
-    if not any(a.startswith("sm90") for a in ARCHS):
-        return False, f"flash_attn4 was built for {ARCHS or 'no arch'}, without sm90 kernels; {_REBUILD_HINT}"
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    major, minor = _capability(index)
-    if major != 9:
-        return False, (
-            f"flash_attn4's CUDA kernels need a Hopper GPU (sm90); cuda:{index} is sm{major}{minor}; "
-            "the PyTorch reference runs instead"
-        )
+    arch, why = kernel_arch(device)
+    if arch is None:
+        return False, why
     name = dtype_name(dtype)
     if name is None:
         return False, f"the CUDA kernels take float16 or bfloat16, not {dtype}; cast q, k, v"
@@ -124,8 +148,16 @@ def backward_hdims(dtype_key: str) -> tuple[int, ...]:
     return tuple(sorted({int(n[len(prefix) :].split("_")[0]) for n in names}))
 
 
-def backward_padded_hdim(dtype: torch.dtype, hdim: int) -> int | None:
-    """Smallest head dim >= `hdim` with a compiled backward kernel (zero padding as for the forward)."""
+def backward_padded_hdim(dtype: torch.dtype, hdim: int, device: torch.device | None = None) -> int | None:
+    """Smallest head dim >= `hdim` with a compiled backward kernel (zero padding as for the forward), or
+    None; with `device`, also None when that device's kernel family has no backward (the sm80 path, so
+    far)."""
+    if (
+        device is not None
+        and torch.device(device).type == "cuda"
+        and kernel_arch(torch.device(device))[0] != 90
+    ):
+        return None
     name = dtype_name(dtype)
     if name is None or hdim <= 0 or hdim % 8 != 0:
         return None

@@ -153,7 +153,7 @@ def bwd_into(
         if t.shape != like.shape or t.dtype != like.dtype or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous {like.dtype} tensor of shape {tuple(like.shape)}")
     d = q.shape[-1]
-    dpad = _build_info.backward_padded_hdim(q.dtype, d)
+    dpad = _build_info.backward_padded_hdim(q.dtype, d, q.device)
     if dpad is None:
         raise ValueError(f"head dim {d} has no built backward kernel for {q.dtype}")
     if dpad != d:
@@ -266,7 +266,7 @@ def bwd(
     """
     kernel_causal, why = _kernel_plan(q, k, causal, window_left, window_right, softcap)
     if kernel_causal is not None:
-        if _build_info.backward_padded_hdim(q.dtype, q.shape[-1]) is not None:
+        if _build_info.backward_padded_hdim(q.dtype, q.shape[-1], q.device) is not None:
             dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
             bwd_into(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, kernel_causal, deterministic, dlse)
             return dq, dk, dv

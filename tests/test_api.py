@@ -397,3 +397,39 @@ def test_kernel_plan_features(fake_ext, kw, kernel_causal):
         softcap=kw.get("softcap", 0.0),
     )[0]
     torch.testing.assert_close(out, ref)
+
+
+# --- which kernel family serves a device (flash_attn4._build_info.kernel_arch) ------------------------
+
+
+@pytest.mark.parametrize(
+    "capability, archs, force, want",
+    [
+        ((9, 0), ("sm90",), False, 90),
+        ((9, 0), ("sm90", "sm80"), True, 80),  # FLASH_ATTN4_FORCE_SM80=1 runs the Ampere path on Hopper
+        ((9, 0), ("sm90",), True, None),  # forced, but this build has no sm80 kernels
+        ((8, 0), ("sm90", "sm80"), False, 80),
+        ((8, 9), ("sm90", "sm80"), False, 80),
+        ((8, 6), ("sm90",), False, None),
+        ((7, 5), ("sm90", "sm80"), False, None),
+    ],
+)
+def test_kernel_arch_dispatch(monkeypatch, capability, archs, force, want):
+    monkeypatch.setattr(_build_info, "_capability", lambda index: capability)
+    monkeypatch.setattr(_build_info, "ARCHS", archs)
+    monkeypatch.setenv("FLASH_ATTN4_FORCE_SM80", "1" if force else "0")
+    arch, why = _build_info.kernel_arch(torch.device("cuda", 0))
+    assert arch == want
+    assert (why == "") == (want is not None)
+    if want is None and capability[0] >= 8:
+        assert "rebuild" in why or "pip install" in why
+
+
+def test_backward_kernel_only_on_the_sm90_path(monkeypatch, fake_ext):
+    monkeypatch.setattr(_build_info, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(_build_info, "ARCHS", ("sm90", "sm80"))
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setenv("FLASH_ATTN4_FORCE_SM80", "0")
+    assert _build_info.backward_padded_hdim(torch.bfloat16, 64, cuda) == 64
+    monkeypatch.setenv("FLASH_ATTN4_FORCE_SM80", "1")
+    assert _build_info.backward_padded_hdim(torch.bfloat16, 64, cuda) is None
