@@ -178,6 +178,50 @@ struct BwdKernelSm90 {
     }
   }
 
+  // P^T = exp2(S^T * scale_log2 - lse_log2[q]) in place; masked entries are 0. Rows of Q past seqlen_q have
+  // lse_log2 = +inf (pre-pass), so they give 0 without a mask. lse_s points at this thread's first query
+  // column; tScS0_rc (thread 0's coordinates) gives the other columns' offsets, which fold to immediates.
+  template <class TS, class TC, class TC0>
+  CUTE_DEVICE static void probabilities(Params const& params, TS& tSrS_rc, TC const& tScS_rc, TC0 const& tScS0_rc,
+                                        const float* lse_s, int n_block, int m_block) {
+    const int seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k;
+    const int key0 = n_block * kBlockN, query0 = m_block * kBlockM;
+    const bool need_mask =
+        key0 + kBlockN > seqlen_k || (kCausal && key0 + kBlockN - 1 > query0 + seqlen_k - seqlen_q);
+#pragma unroll
+    for (int r = 0; r < size<0>(tSrS_rc); ++r) {
+#pragma unroll
+      for (int c = 0; c < size<1>(tSrS_rc); ++c) {
+        tSrS_rc(r, c) = exp2_approx(fmaf(tSrS_rc(r, c), params.scale_log2, -lse_s[get<1>(tScS0_rc(r, c))]));
+      }
+    }
+    // Masking is a separate pass that only the boundary blocks take, so the common path carries no index
+    // arithmetic (it was what pushed the causal kernel into spilling).
+    if (need_mask) {
+#pragma unroll
+      for (int r = 0; r < size<0>(tSrS_rc); ++r) {
+        const int key = key0 + get<0>(tScS_rc(r, 0));
+#pragma unroll
+        for (int c = 0; c < size<1>(tSrS_rc); ++c) {
+          const int query = query0 + get<1>(tScS_rc(r, c));
+          if (key >= seqlen_k || (kCausal && key > query + seqlen_k - seqlen_q)) tSrS_rc(r, c) = 0.f;
+        }
+      }
+    }
+  }
+
+  // dS^T = P^T * (dP^T - D[q]), written over dP^T's registers (D columns read as in probabilities()).
+  template <class TdP, class TS, class TC0>
+  CUTE_DEVICE static void ds_from_dp(TdP& tSrdP_rc, TS const& tSrS_rc, TC0 const& tScS0_rc, const float* dpsum_s) {
+#pragma unroll
+    for (int r = 0; r < size<0>(tSrdP_rc); ++r) {
+#pragma unroll
+      for (int c = 0; c < size<1>(tSrdP_rc); ++c) {
+        tSrdP_rc(r, c) = tSrS_rc(r, c) * (tSrdP_rc(r, c) - dpsum_s[get<1>(tScS0_rc(r, c))]);
+      }
+    }
+  }
+
   // Deterministic mode: the position of key block n_block among those that add into query block m_block.
   // Non-causal: increasing n. Causal: decreasing n, the order in which they reach m_block anyway (key block
   // n starts at the diagonal query block, two 64-row blocks below n - 1's), so none waits for a slower one.
@@ -311,7 +355,6 @@ struct BwdKernelSm90 {
     if (m_min < m_max && wg_thread < 32) named_barrier_arrive(128 + 32, int(BwdBarrier::kdQEmpty0) + warp_group);
     smem.barrier_kv.wait(0);
 
-    const int seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k;
     typename Traits::PipelineState read, prev;
     for (int i = 0; i < params.head_ratio; ++i) {
       for (int m_block = m_min; m_block < m_max; ++m_block) {
@@ -324,43 +367,12 @@ struct BwdKernelSm90 {
         warpgroup_fence_operand(tSrS);
         if (read.count() > 0 && wg_thread == 0) pipeline.consumer_release(prev);
 
-        // P^T = exp2(S^T * scale_log2 - lse_log2[q]); masked entries are 0. Rows of Q past seqlen_q have
-        // lse_log2 = +inf (pre-pass), so they give 0 without a mask.
         const float* lse_s = &sLse(query_thr, s);
         const float* dpsum_s = &sDpsum(query_thr, s);
-        const int key0 = n_block * kBlockN, query0 = m_block * kBlockM;
-        const bool need_mask = key0 + kBlockN > seqlen_k ||
-                               (kCausal && key0 + kBlockN - 1 > query0 + seqlen_k - seqlen_q);
-#pragma unroll
-        for (int r = 0; r < size<0>(tSrS_rc); ++r) {
-#pragma unroll
-          for (int c = 0; c < size<1>(tSrS_rc); ++c) {
-            tSrS_rc(r, c) = exp2_approx(fmaf(tSrS_rc(r, c), params.scale_log2, -lse_s[get<1>(tScS0_rc(r, c))]));
-          }
-        }
-        // Masking is a separate pass that only the boundary blocks take, so the common path carries no
-        // index arithmetic (it was what pushed the causal kernel into spilling).
-        if (need_mask) {
-#pragma unroll
-          for (int r = 0; r < size<0>(tSrS_rc); ++r) {
-            const int key = key0 + get<0>(tScS_rc(r, 0));
-#pragma unroll
-            for (int c = 0; c < size<1>(tSrS_rc); ++c) {
-              const int query = query0 + get<1>(tScS_rc(r, c));
-              if (key >= seqlen_k || (kCausal && key > query + seqlen_k - seqlen_q)) tSrS_rc(r, c) = 0.f;
-            }
-          }
-        }
+        probabilities(params, tSrS_rc, tScS_rc, tScS0_rc, lse_s, n_block, m_block);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tSrdP);
-        // dS^T = P^T * (dP^T - D[q])
-#pragma unroll
-        for (int r = 0; r < size<0>(tSrdP_rc); ++r) {
-#pragma unroll
-          for (int c = 0; c < size<1>(tSrdP_rc); ++c) {
-            tSrdP_rc(r, c) = tSrS_rc(r, c) * (tSrdP_rc(r, c) - dpsum_s[get<1>(tScS0_rc(r, c))]);
-          }
-        }
+        ds_from_dp(tSrdP_rc, tSrS_rc, tScS0_rc, dpsum_s);
         convert_fragment(tSrS, tPrP_acc);
         convert_fragment(tSrdP, tdSrdS_acc);
 
@@ -463,7 +475,6 @@ struct BwdKernelSm90 {
     const int num_m_blocks = params.seqlen_q_rounded / kBlockM;
     smem.barrier_kv.wait(0);
 
-    const int seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k;
     typename Traits::PipelineState read;
 #pragma unroll 1
     for (int i = 0; i < params.head_ratio; ++i) {
@@ -480,36 +491,10 @@ struct BwdKernelSm90 {
         warpgroup_fence_operand(tSrS);
         const float* lse_s = &sLse(query_thr, s);
         const float* dpsum_s = &sDpsum(query_thr, s);
-        const int key0 = n_block * kBlockN, query0 = m_block * kBlockM;
-        const bool need_mask = key0 + kBlockN > seqlen_k ||
-                               (kCausal && key0 + kBlockN - 1 > query0 + seqlen_k - seqlen_q);
-#pragma unroll
-        for (int r = 0; r < size<0>(tSrS_rc); ++r) {
-#pragma unroll
-          for (int c = 0; c < size<1>(tSrS_rc); ++c) {
-            tSrS_rc(r, c) = exp2_approx(fmaf(tSrS_rc(r, c), params.scale_log2, -lse_s[get<1>(tScS0_rc(r, c))]));
-          }
-        }
-        if (need_mask) {
-#pragma unroll
-          for (int r = 0; r < size<0>(tSrS_rc); ++r) {
-            const int key = key0 + get<0>(tScS_rc(r, 0));
-#pragma unroll
-            for (int c = 0; c < size<1>(tSrS_rc); ++c) {
-              const int query = query0 + get<1>(tScS_rc(r, c));
-              if (key >= seqlen_k || (kCausal && key > query + seqlen_k - seqlen_q)) tSrS_rc(r, c) = 0.f;
-            }
-          }
-        }
+        probabilities(params, tSrS_rc, tScS_rc, tScS0_rc, lse_s, n_block, m_block);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tSrdP);
-#pragma unroll
-        for (int r = 0; r < size<0>(tSrdP_rc); ++r) {
-#pragma unroll
-          for (int c = 0; c < size<1>(tSrdP_rc); ++c) {
-            tSrdP_rc(r, c) = tSrS_rc(r, c) * (tSrdP_rc(r, c) - dpsum_s[get<1>(tScS0_rc(r, c))]);
-          }
-        }
+        ds_from_dp(tSrdP_rc, tSrS_rc, tScS0_rc, dpsum_s);
         convert_fragment(tSrS, tPrP);
         convert_fragment(tSrdP, tdSrdS);
         // Buffer = step parity (the stage index): the other warpgroup passed this step's barrier only after
