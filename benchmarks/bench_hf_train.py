@@ -40,6 +40,20 @@ def step_times(model, ids, steps: int, warmup: int) -> tuple[float, list[float]]
     return first_loss, times
 
 
+def profile_step(model, ids, rows: int = 25) -> None:
+    """Prints the CUDA kernels of one training step, most time first (where an implementation spends)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        model(ids, labels=ids).loss.backward()
+        torch.cuda.synchronize()
+    model.zero_grad(set_to_none=True)
+    table = prof.key_averages().table(
+        sort_by="self_device_time_total", row_limit=rows, max_name_column_width=60
+    )
+    print(table)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=2048)
@@ -50,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", type=Path, help="JSON file for the two records")
+    ap.add_argument("--profile", action="store_true", help="print the top kernels of one step")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_hf_train.py needs a CUDA device", file=sys.stderr)
@@ -89,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
             "transformers": transformers.__version__,
         }
         records.append(rec)
+        if args.profile:
+            profile_step(model, ids)
         print(f"{impl:>5}: loss {loss:.5f}  step {ms:.1f} ms  {rec['tokens_per_s']:.0f} tokens/s", flush=True)
         del model
         torch.cuda.empty_cache()

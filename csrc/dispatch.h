@@ -1,4 +1,4 @@
-// Run-time dispatch: (direction, arch, dtype, head dim, causal) -> launcher.
+// Run-time dispatch: (direction, arch, dtype, head dim, causal, local) -> launcher.
 //
 // The table itself (kernel_table.cpp) is written by generate_kernels.py together with the
 // instantiations, so a pruned build (FLASH_ATTN4_HDIMS=128 ...) prunes the table at the same time and
@@ -18,6 +18,7 @@ struct FwdKernelEntry {
   DType dtype;
   int head_dim;
   bool causal;
+  bool local;  // sliding window (BlockMask's kLocal); never together with causal
   FwdLauncher launch;
   const char* name;
 };
@@ -27,10 +28,12 @@ extern const FwdKernelEntry kFwdKernels[];
 extern const int kNumFwdKernels;
 
 // Returns nullptr when no instantiation matches (the binding turns that into a clear error).
-inline const FwdKernelEntry* find_fwd_kernel(int arch, DType dtype, int head_dim, bool causal) {
+inline const FwdKernelEntry* find_fwd_kernel(int arch, DType dtype, int head_dim, bool causal, bool local) {
   for (int i = 0; i < kNumFwdKernels; ++i) {
     const FwdKernelEntry& e = kFwdKernels[i];
-    if (e.arch == arch && e.dtype == dtype && e.head_dim == head_dim && e.causal == causal) return &e;
+    if (e.arch == arch && e.dtype == dtype && e.head_dim == head_dim && e.causal == causal && e.local == local) {
+      return &e;
+    }
   }
   return nullptr;
 }
@@ -49,6 +52,7 @@ struct BwdKernelEntry {
   DType dtype;
   int head_dim;
   bool causal;
+  bool local;
   BwdLauncher launch;
   const char* name;
 };
@@ -56,18 +60,20 @@ struct BwdKernelEntry {
 extern const BwdKernelEntry kBwdKernels[];
 extern const int kNumBwdKernels;
 
-inline const BwdKernelEntry* find_bwd_kernel(int arch, DType dtype, int head_dim, bool causal) {
+inline const BwdKernelEntry* find_bwd_kernel(int arch, DType dtype, int head_dim, bool causal, bool local) {
   for (int i = 0; i < kNumBwdKernels; ++i) {
     const BwdKernelEntry& e = kBwdKernels[i];
-    if (e.arch == arch && e.dtype == dtype && e.head_dim == head_dim && e.causal == causal) return &e;
+    if (e.arch == arch && e.dtype == dtype && e.head_dim == head_dim && e.causal == causal && e.local == local) {
+      return &e;
+    }
   }
   return nullptr;
 }
 
 // Declared here, defined (and explicitly instantiated, one combination per .cu) in launch/.
-template <int Arch, DType kDType, int kHeadDim, bool kCausal>
+template <int Arch, DType kDType, int kHeadDim, bool kCausal, bool kLocal>
 void run_fwd(const FwdParams& params, cudaStream_t stream);
-template <int Arch, DType kDType, int kHeadDim, bool kCausal>
+template <int Arch, DType kDType, int kHeadDim, bool kCausal, bool kLocal>
 void run_bwd(const BwdParams& params, cudaStream_t stream);
 
 }  // namespace flash4

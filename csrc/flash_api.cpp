@@ -3,6 +3,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <optional>
 #include <string>
@@ -57,10 +58,95 @@ int fwd_kernel_arch(int arch) {
   return arch >= 80 ? 80 : 0;
 }
 
-// Writes softmax(q k^T * scale) v into `out` (b, sq, hq, d) and the natural-log LSE into `lse`
-// (b, hq, sq, float32).
+using OptTensor = std::optional<at::Tensor>;
+
+// The options shared by forward and backward: masks, softcap and packed-batch geometry.
+struct Options {
+  bool causal = false, local = false;
+  int window_left = 0, window_right = 0;
+  float softcap = 0.f;
+  bool packed = false;
+  const int* cu_q = nullptr;
+  const int* cu_k = nullptr;
+  const int* used_q = nullptr;
+  const int* used_k = nullptr;
+  int batch = 0, seqlen_q = 0, seqlen_k = 0, total_q = 0, total_k = 0;
+};
+
+// Checks the int32 offset/length vectors of a packed batch (values are not read: that would synchronize).
+const int* check_index(const OptTensor& t, int64_t numel, const at::Tensor& q, const char* name) {
+  if (!t.has_value()) return nullptr;
+  TORCH_CHECK(t->is_cuda() && t->device() == q.device() && t->scalar_type() == at::kInt && t->dim() == 1 &&
+                  t->numel() == numel && t->is_contiguous(),
+              std::string("flash_attn4: ") + name + " must be a contiguous int32 CUDA tensor of " + str(numel) +
+                  " elements on q's device");
+  return t->data_ptr<int>();
+}
+
+// Mask kernel for (causal, window): causal alone -> the causal kernel; any window side -> kLocal with the
+// unbounded side(s) as a value past every length; neither -> no mask.
+Options make_options(const at::Tensor& q, const at::Tensor& k, bool causal, int64_t window_left, int64_t window_right,
+                     double softcap, const OptTensor& cu_q, const OptTensor& cu_k, const OptTensor& used_q,
+                     const OptTensor& used_k, int64_t max_seqlen_q, int64_t max_seqlen_k) {
+  Options o;
+  o.packed = cu_q.has_value();
+  TORCH_CHECK(cu_k.has_value() == o.packed, "flash_attn4: pass both cu_seqlens_q and cu_seqlens_k, or neither");
+  if (o.packed) {
+    TORCH_CHECK(q.dim() == 3 && k.dim() == 3, "flash_attn4: packed q, k, v must be 3-D (total, heads, head_dim)");
+    o.batch = int(cu_q->numel()) - 1;
+    TORCH_CHECK(o.batch >= 1 && o.batch <= 65535, "flash_attn4: cu_seqlens must hold 2..65536 offsets");
+    o.cu_q = check_index(cu_q, o.batch + 1, q, "cu_seqlens_q");
+    o.cu_k = check_index(cu_k, o.batch + 1, q, "cu_seqlens_k");
+    o.seqlen_q = int(max_seqlen_q), o.seqlen_k = int(max_seqlen_k);
+    o.total_q = int(q.size(0)), o.total_k = int(k.size(0));
+    TORCH_CHECK(max_seqlen_q >= 1 && max_seqlen_k >= 1 && max_seqlen_q <= q.size(0) && max_seqlen_k <= k.size(0),
+                "flash_attn4: max_seqlen_q/k must be >= 1 and at most the packed row counts");
+  } else {
+    TORCH_CHECK(q.dim() == 4 && k.dim() == 4, "flash_attn4: q, k, v must be 4-D (batch, seqlen, heads, head_dim)");
+    TORCH_CHECK(!used_q.has_value() && !used_k.has_value(), "flash_attn4: seqused_q/k need cu_seqlens");
+    o.batch = int(q.size(0)), o.seqlen_q = int(q.size(1)), o.seqlen_k = int(k.size(1));
+  }
+  o.used_q = check_index(used_q, o.batch, q, "seqused_q");
+  o.used_k = check_index(used_k, o.batch, q, "seqused_k");
+  TORCH_CHECK(softcap >= 0.0, "flash_attn4: softcap must be >= 0");
+  o.softcap = float(softcap);
+  const int unbounded = o.seqlen_q + o.seqlen_k + 1;
+  if (window_left < 0 && (causal || window_right < 0)) {
+    o.causal = causal;
+  } else {
+    o.local = true;
+    o.window_left = window_left < 0 ? unbounded : int(std::min<int64_t>(window_left, unbounded));
+    o.window_right = causal ? 0 : window_right < 0 ? unbounded : int(std::min<int64_t>(window_right, unbounded));
+  }
+  return o;
+}
+
+template <class P>
+void set_options(P& p, const Options& o) {
+  p.causal = o.causal, p.local = o.local;
+  p.window_left = o.window_left, p.window_right = o.window_right;
+  p.softcap = o.softcap;
+  p.cu_seqlens_q = o.cu_q, p.cu_seqlens_k = o.cu_k, p.seqused_q = o.used_q, p.seqused_k = o.used_k;
+  p.total_q = o.total_q, p.total_k = o.total_k;
+  p.batch = o.batch, p.seqlen_q = o.seqlen_q, p.seqlen_k = o.seqlen_k;
+}
+
+std::string mask_name(const Options& o) { return o.local ? "window" : o.causal ? "causal" : "no mask"; }
+
+// Strides of a (batch, seqlen, heads, d) tensor, or of a packed (total, heads, d) one (batch stride 0).
+struct Strides {
+  int64_t batch, row, head;
+};
+Strides strides(const at::Tensor& t) {
+  return t.dim() == 4 ? Strides{t.stride(0), t.stride(1), t.stride(2)} : Strides{0, t.stride(0), t.stride(1)};
+}
+
+// Writes softmax(q k^T * scale + mask) v into `out` and the natural-log LSE into `lse`: (batch, hq, sq) for
+// 4-D inputs, (hq, total_q) for packed ones (cu_seqlens given: q (total_q, hq, d), k/v (total_k, hk, d)).
 void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
-         double softmax_scale, bool causal) {
+         double softmax_scale, bool causal, int64_t window_left, int64_t window_right, double softcap,
+         const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k, const OptTensor& seqused_q,
+         const OptTensor& seqused_k, int64_t max_seqlen_q, int64_t max_seqlen_k) {
   TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda() && out.is_cuda() && lse.is_cuda(),
               "flash_attn4: all tensors must be on a CUDA device");
   TORCH_CHECK(k.device() == q.device() && v.device() == q.device() && out.device() == q.device() &&
@@ -71,27 +157,31 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
               std::string("flash_attn4: q must be bfloat16 or float16, got ") + c10::toString(dtype));
   TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype && out.scalar_type() == dtype,
               "flash_attn4: q, k, v and out must share one dtype");
-  TORCH_CHECK(lse.scalar_type() == at::kFloat, "flash_attn4: lse must be float32");
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
-              "flash_attn4: q, k, v must be 4-D (batch, seqlen, heads, head_dim)");
-
-  const int64_t batch = q.size(0), seqlen_q = q.size(1), nheads_q = q.size(2), head_dim = q.size(3);
-  const int64_t seqlen_k = k.size(1), nheads_kv = k.size(2);
-  TORCH_CHECK(k.size(0) == batch && k.size(3) == head_dim,
-              "flash_attn4: k must be (batch, seqlen_k, nheads_kv, " + str(head_dim) + "), got " + str(k.sizes()));
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous(), "flash_attn4: lse must be contiguous float32");
+  const Options o = make_options(q, k, causal, window_left, window_right, softcap, cu_seqlens_q, cu_seqlens_k,
+                                 seqused_q, seqused_k, max_seqlen_q, max_seqlen_k);
+  const int hd = q.dim() - 2;  // heads dim
+  const int64_t nheads_q = q.size(hd), head_dim = q.size(hd + 1), nheads_kv = k.size(hd);
+  TORCH_CHECK(k.size(hd + 1) == head_dim && (o.packed || k.size(0) == q.size(0)),
+              "flash_attn4: k must match q's batch and head_dim, got q " + str(q.sizes()) + ", k " + str(k.sizes()));
   TORCH_CHECK(v.sizes() == k.sizes(),
               "flash_attn4: v must have k's shape " + str(k.sizes()) + ", got " + str(v.sizes()));
   TORCH_CHECK(nheads_kv > 0 && nheads_q % nheads_kv == 0, "flash_attn4: nheads_q (" + str(nheads_q) +
                                                               ") must be a multiple of nheads_kv (" +
                                                               str(nheads_kv) + ")");
   TORCH_CHECK(out.sizes() == q.sizes(), "flash_attn4: out must have q's shape " + str(q.sizes()));
-  TORCH_CHECK(lse.dim() == 3 && lse.size(0) == batch && lse.size(1) == nheads_q && lse.size(2) == seqlen_q &&
-                  lse.is_contiguous(),
-              "flash_attn4: lse must be a contiguous float32 tensor of shape (batch, nheads_q, seqlen_q)");
-  TORCH_CHECK(seqlen_q >= 1 && seqlen_k >= 1 && batch >= 1, "flash_attn4: empty inputs are handled in Python");
+  if (o.packed) {
+    TORCH_CHECK(lse.dim() == 2 && lse.size(0) == nheads_q && lse.size(1) == q.size(0),
+                "flash_attn4: packed lse must be (nheads_q, total_q)");
+  } else {
+    TORCH_CHECK(lse.dim() == 3 && lse.size(0) == o.batch && lse.size(1) == nheads_q && lse.size(2) == o.seqlen_q,
+                "flash_attn4: lse must be a contiguous float32 tensor of shape (batch, nheads_q, seqlen_q)");
+  }
+  TORCH_CHECK(o.seqlen_q >= 1 && o.seqlen_k >= 1 && o.batch >= 1, "flash_attn4: empty inputs are handled in Python");
   // Grid limits (y = heads, z = batch) and 32-bit TMA coordinates.
-  TORCH_CHECK(batch <= 65535 && nheads_q <= 65535, "flash_attn4: batch and nheads_q must be <= 65535");
-  TORCH_CHECK(seqlen_q < (int64_t(1) << 31) && seqlen_k < (int64_t(1) << 31), "flash_attn4: seqlen must be < 2^31");
+  TORCH_CHECK(o.batch <= 65535 && nheads_q <= 65535, "flash_attn4: batch and nheads_q must be <= 65535");
+  TORCH_CHECK(q.size(hd - 1) < (int64_t(1) << 30) && k.size(hd - 1) < (int64_t(1) << 30),
+              "flash_attn4: sequence lengths must be < 2^30");
   check_tma_layout(q, "q");
   check_tma_layout(k, "k");
   check_tma_layout(v, "v");
@@ -100,33 +190,34 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
   const DType kdtype = dtype == at::kBFloat16 ? DType::kBF16 : DType::kFP16;
   const int arch = device_arch(q);
   const int kernel_arch = fwd_kernel_arch(arch);
-  const flash4::FwdKernelEntry* entry = flash4::find_fwd_kernel(kernel_arch, kdtype, int(head_dim), causal);
+  TORCH_CHECK(kernel_arch == 90 || (!o.packed && o.softcap == 0.f),
+              "flash_attn4: packed batches and softcap need the sm90 kernels (Hopper)");
+  const flash4::FwdKernelEntry* entry = flash4::find_fwd_kernel(kernel_arch, kdtype, int(head_dim), o.causal, o.local);
   TORCH_CHECK(entry != nullptr,
               "flash_attn4: no compiled forward kernel for sm_" + str(arch) + ", " +
-                  (kdtype == DType::kBF16 ? "bf16" : "fp16") + ", head_dim " + str(head_dim) +
-                  ", causal=" + (causal ? "True" : "False") +
+                  (kdtype == DType::kBF16 ? "bf16" : "fp16") + ", head_dim " + str(head_dim) + ", " + mask_name(o) +
                   ". Rebuild with that head dim/dtype in FLASH_ATTN4_HDIMS / FLASH_ATTN4_DTYPES, or use a "
                   "Hopper GPU.");
 
   flash4::FwdParams p;
+  set_options(p, o);
   p.q = q.data_ptr();
   p.k = k.data_ptr();
   p.v = v.data_ptr();
   p.o = out.data_ptr();
   p.lse = lse.data_ptr<float>();
-  p.q_batch_stride = q.stride(0), p.q_row_stride = q.stride(1), p.q_head_stride = q.stride(2);
-  p.k_batch_stride = k.stride(0), p.k_row_stride = k.stride(1), p.k_head_stride = k.stride(2);
-  p.v_batch_stride = v.stride(0), p.v_row_stride = v.stride(1), p.v_head_stride = v.stride(2);
-  p.o_batch_stride = out.stride(0), p.o_row_stride = out.stride(1), p.o_head_stride = out.stride(2);
-  p.batch = int(batch);
-  p.seqlen_q = int(seqlen_q);
-  p.seqlen_k = int(seqlen_k);
+  const Strides sq = strides(q), sk = strides(k), sv = strides(v), so = strides(out);
+  p.q_batch_stride = sq.batch, p.q_row_stride = sq.row, p.q_head_stride = sq.head;
+  p.k_batch_stride = sk.batch, p.k_row_stride = sk.row, p.k_head_stride = sk.head;
+  p.v_batch_stride = sv.batch, p.v_row_stride = sv.row, p.v_head_stride = sv.head;
+  p.o_batch_stride = so.batch, p.o_row_stride = so.row, p.o_head_stride = so.head;
+  p.lse_batch_stride = o.packed ? 0 : nheads_q * o.seqlen_q;
+  p.lse_head_stride = o.packed ? q.size(0) : o.seqlen_q;
   p.nheads_q = int(nheads_q);
   p.nheads_kv = int(nheads_kv);
   p.head_dim = int(head_dim);
   p.softmax_scale = float(softmax_scale);
   p.softmax_scale_log2 = float(softmax_scale * M_LOG2E);
-  p.causal = causal;
   p.dtype = kdtype;
 
   const c10::cuda::CUDAGuard guard(q.device());
@@ -134,12 +225,15 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
 }
 
 // Gradients of fwd: writes dq (like q), dk and dv (like k and v; summed over each GQA group's query heads).
-// Uses fp32 scratch allocated here (dq_accum, D, lse in log2 units), rows padded to a multiple of 128.
+// Uses fp32 scratch allocated here (dq_accum, D, lse in log2 units), rows padded to a multiple of 128
+// (packed batches: each sequence from a multiple of 128, see flash4::padded_row_offset).
 // deterministic: key blocks add into dq in a fixed order (bitwise-reproducible dq; dk and dv always are).
-// dlse: gradient of lse (return_lse), or None for zero.
+// dlse: gradient of lse (return_lse), or None for zero. Options as for fwd.
 void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
          const at::Tensor& out, const at::Tensor& lse, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
-         double softmax_scale, bool causal, bool deterministic, const std::optional<at::Tensor>& dlse) {
+         double softmax_scale, bool causal, bool deterministic, const OptTensor& dlse, int64_t window_left,
+         int64_t window_right, double softcap, const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k,
+         const OptTensor& seqused_q, const OptTensor& seqused_k, int64_t max_seqlen_q, int64_t max_seqlen_k) {
   using TensorList = std::initializer_list<const at::Tensor*>;
   for (const at::Tensor* t : TensorList{&dout, &q, &k, &v, &out, &lse, &dq, &dk, &dv}) {
     TORCH_CHECK(t->is_cuda() && t->device() == q.device(), "flash_attn4: all tensors must be on q's CUDA device");
@@ -150,12 +244,13 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
   for (const at::Tensor* t : TensorList{&dout, &k, &v, &out, &dq, &dk, &dv}) {
     TORCH_CHECK(t->scalar_type() == dtype, "flash_attn4: q, k, v, out, dout, dq, dk and dv must share one dtype");
   }
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4, "flash_attn4: q, k, v must be 4-D (batch, seqlen, heads, head_dim)");
-  const int64_t batch = q.size(0), seqlen_q = q.size(1), nheads_q = q.size(2), head_dim = q.size(3);
-  const int64_t seqlen_k = k.size(1), nheads_kv = k.size(2);
-  TORCH_CHECK(k.size(0) == batch && k.size(3) == head_dim && v.sizes() == k.sizes(),
-              "flash_attn4: k and v must be (batch, seqlen_k, nheads_kv, " + str(head_dim) + "), got " +
-                  str(k.sizes()) + " and " + str(v.sizes()));
+  const Options o = make_options(q, k, causal, window_left, window_right, softcap, cu_seqlens_q, cu_seqlens_k,
+                                 seqused_q, seqused_k, max_seqlen_q, max_seqlen_k);
+  const int hd = q.dim() - 2;
+  const int64_t nheads_q = q.size(hd), head_dim = q.size(hd + 1), nheads_kv = k.size(hd);
+  TORCH_CHECK(k.size(hd + 1) == head_dim && v.sizes() == k.sizes() && (o.packed || k.size(0) == q.size(0)),
+              "flash_attn4: k and v must match q's batch and head_dim, got " + str(k.sizes()) + " and " +
+                  str(v.sizes()));
   TORCH_CHECK(nheads_kv > 0 && nheads_q % nheads_kv == 0, "flash_attn4: nheads_q (" + str(nheads_q) +
                                                               ") must be a multiple of nheads_kv (" +
                                                               str(nheads_kv) + ")");
@@ -163,16 +258,17 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
               "flash_attn4: out, dout and dq must have q's shape " + str(q.sizes()));
   TORCH_CHECK(dk.sizes() == k.sizes() && dv.sizes() == k.sizes(),
               "flash_attn4: dk and dv must have k's shape " + str(k.sizes()));
-  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.dim() == 3 && lse.size(0) == batch &&
-                  lse.size(1) == nheads_q && lse.size(2) == seqlen_q,
-              "flash_attn4: lse must be the forward's contiguous float32 (batch, nheads_q, seqlen_q) tensor");
-  TORCH_CHECK(seqlen_q >= 1 && seqlen_k >= 1 && batch >= 1, "flash_attn4: empty inputs are handled in Python");
+  const std::vector<int64_t> lse_shape =
+      o.packed ? std::vector<int64_t>{nheads_q, q.size(0)} : std::vector<int64_t>{o.batch, nheads_q, o.seqlen_q};
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.sizes() == at::IntArrayRef(lse_shape),
+              "flash_attn4: lse must be the forward's contiguous float32 " + str(lse_shape) + " tensor");
+  TORCH_CHECK(o.seqlen_q >= 1 && o.seqlen_k >= 1 && o.batch >= 1, "flash_attn4: empty inputs are handled in Python");
   if (dlse.has_value()) {
     TORCH_CHECK(dlse->is_cuda() && dlse->device() == q.device() && dlse->scalar_type() == at::kFloat &&
                     dlse->is_contiguous() && dlse->sizes() == lse.sizes(),
                 "flash_attn4: dlse must be a contiguous float32 tensor shaped like lse, on q's device");
   }
-  TORCH_CHECK(batch <= 65535 && nheads_q <= 65535, "flash_attn4: batch and nheads_q must be <= 65535");
+  TORCH_CHECK(o.batch <= 65535 && nheads_q <= 65535, "flash_attn4: batch and nheads_q must be <= 65535");
   check_tma_layout(q, "q");
   check_tma_layout(k, "k");
   check_tma_layout(v, "v");
@@ -185,44 +281,56 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
 
   const DType kdtype = dtype == at::kBFloat16 ? DType::kBF16 : DType::kFP16;
   const int arch = device_arch(q);
-  const flash4::BwdKernelEntry* entry = flash4::find_bwd_kernel(arch == 90 ? 90 : 0, kdtype, int(head_dim), causal);
+  const flash4::BwdKernelEntry* entry =
+      flash4::find_bwd_kernel(arch == 90 ? 90 : 0, kdtype, int(head_dim), o.causal, o.local);
   TORCH_CHECK(entry != nullptr, "flash_attn4: no compiled backward kernel for sm_" + str(arch) + ", " +
                                     (kdtype == DType::kBF16 ? "bf16" : "fp16") + ", head_dim " + str(head_dim) +
-                                    ", causal=" + (causal ? "True" : "False"));
+                                    ", " + mask_name(o));
 
   const c10::cuda::CUDAGuard guard(q.device());
-  const int64_t seqlen_q_rounded = (seqlen_q + 127) / 128 * 128;
+  const int64_t align = flash4::kAccumRowAlign;
+  const int64_t seqlen_q_rounded = (o.seqlen_q + align - 1) / align * align;
+  // Rows of scratch per (batch, head) slice: fixed-length seqlen_q_rounded; packed, every sequence from a
+  // multiple of kAccumRowAlign, all sequences of a head in one slice.
+  const int64_t accum_rows = o.packed ? (q.size(0) + int64_t(o.batch) * align + align - 1) / align * align
+                                      : seqlen_q_rounded;
+  const int64_t slices = o.packed ? nheads_q : int64_t(o.batch) * nheads_q;
   auto f32 = q.options().dtype(at::kFloat);
-  at::Tensor dq_accum = at::empty({batch, nheads_q, seqlen_q_rounded, head_dim}, f32);
-  at::Tensor dpsum = at::empty({batch, nheads_q, seqlen_q_rounded}, f32);
-  at::Tensor lse_log2 = at::empty({batch, nheads_q, seqlen_q_rounded}, f32);
+  at::Tensor dq_accum = at::empty({slices, accum_rows, head_dim}, f32);
+  at::Tensor dpsum = at::empty({slices, accum_rows}, f32);
+  at::Tensor lse_log2 = at::empty({slices, accum_rows}, f32);
   // One turn counter per 64-row query block (the kernel's kBlockM), zeroed: see BwdParams::dq_semaphore.
   at::Tensor dq_semaphore =
-      deterministic ? at::zeros({batch, nheads_q, seqlen_q_rounded / 64}, q.options().dtype(at::kInt)) : at::Tensor();
+      deterministic ? at::zeros({slices, accum_rows / 64}, q.options().dtype(at::kInt)) : at::Tensor();
 
   flash4::BwdParams p;
+  set_options(p, o);
   p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr(), p.out = out.data_ptr(), p.dout = dout.data_ptr();
-  p.q_batch_stride = q.stride(0), p.q_row_stride = q.stride(1), p.q_head_stride = q.stride(2);
-  p.k_batch_stride = k.stride(0), p.k_row_stride = k.stride(1), p.k_head_stride = k.stride(2);
-  p.v_batch_stride = v.stride(0), p.v_row_stride = v.stride(1), p.v_head_stride = v.stride(2);
-  p.out_batch_stride = out.stride(0), p.out_row_stride = out.stride(1), p.out_head_stride = out.stride(2);
-  p.dout_batch_stride = dout.stride(0), p.dout_row_stride = dout.stride(1), p.dout_head_stride = dout.stride(2);
+  const Strides sq = strides(q), sk = strides(k), sv = strides(v), so = strides(out), sdo = strides(dout);
+  const Strides sdq = strides(dq), sdk = strides(dk), sdv = strides(dv);
+  p.q_batch_stride = sq.batch, p.q_row_stride = sq.row, p.q_head_stride = sq.head;
+  p.k_batch_stride = sk.batch, p.k_row_stride = sk.row, p.k_head_stride = sk.head;
+  p.v_batch_stride = sv.batch, p.v_row_stride = sv.row, p.v_head_stride = sv.head;
+  p.out_batch_stride = so.batch, p.out_row_stride = so.row, p.out_head_stride = so.head;
+  p.dout_batch_stride = sdo.batch, p.dout_row_stride = sdo.row, p.dout_head_stride = sdo.head;
   p.lse = lse.data_ptr<float>();
   p.dlse = dlse.has_value() ? dlse->data_ptr<float>() : nullptr;
+  p.lse_batch_stride = o.packed ? 0 : nheads_q * o.seqlen_q;
+  p.lse_head_stride = o.packed ? q.size(0) : o.seqlen_q;
   p.dq = dq.data_ptr(), p.dk = dk.data_ptr(), p.dv = dv.data_ptr();
-  p.dq_batch_stride = dq.stride(0), p.dq_row_stride = dq.stride(1), p.dq_head_stride = dq.stride(2);
-  p.dk_batch_stride = dk.stride(0), p.dk_row_stride = dk.stride(1), p.dk_head_stride = dk.stride(2);
-  p.dv_batch_stride = dv.stride(0), p.dv_row_stride = dv.stride(1), p.dv_head_stride = dv.stride(2);
+  p.dq_batch_stride = sdq.batch, p.dq_row_stride = sdq.row, p.dq_head_stride = sdq.head;
+  p.dk_batch_stride = sdk.batch, p.dk_row_stride = sdk.row, p.dk_head_stride = sdk.head;
+  p.dv_batch_stride = sdv.batch, p.dv_row_stride = sdv.row, p.dv_head_stride = sdv.head;
   p.dq_accum = dq_accum.data_ptr<float>();
   p.dpsum = dpsum.data_ptr<float>();
   p.lse_log2 = lse_log2.data_ptr<float>();
   p.dq_semaphore = deterministic ? dq_semaphore.data_ptr<int>() : nullptr;
   p.seqlen_q_rounded = int(seqlen_q_rounded);
-  p.batch = int(batch), p.seqlen_q = int(seqlen_q), p.seqlen_k = int(seqlen_k);
+  p.accum_batch_stride = o.packed ? 0 : nheads_q * accum_rows;
+  p.accum_head_stride = accum_rows;
   p.nheads_q = int(nheads_q), p.nheads_kv = int(nheads_kv), p.head_dim = int(head_dim);
   p.softmax_scale = float(softmax_scale);
   p.softmax_scale_log2 = float(softmax_scale * M_LOG2E);
-  p.causal = causal;
   p.dtype = kdtype;
   entry->launch(p, at::cuda::getCurrentCUDAStream().stream());
 }
@@ -239,9 +347,15 @@ std::vector<std::string> compiled_kernels() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "flash_attn4 CUDA kernels (use flash_attn4.attn, not this module directly)";
   m.def("fwd", &fwd, "Attention forward into preallocated out/lse", py::arg("q"), py::arg("k"), py::arg("v"),
-        py::arg("out"), py::arg("lse"), py::arg("softmax_scale"), py::arg("causal"));
+        py::arg("out"), py::arg("lse"), py::arg("softmax_scale"), py::arg("causal"), py::arg("window_left") = -1,
+        py::arg("window_right") = -1, py::arg("softcap") = 0.0, py::arg("cu_seqlens_q") = py::none(),
+        py::arg("cu_seqlens_k") = py::none(), py::arg("seqused_q") = py::none(), py::arg("seqused_k") = py::none(),
+        py::arg("max_seqlen_q") = 0, py::arg("max_seqlen_k") = 0);
   m.def("bwd", &bwd, "Attention backward into preallocated dq/dk/dv", py::arg("dout"), py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
-        py::arg("softmax_scale"), py::arg("causal"), py::arg("deterministic") = false, py::arg("dlse") = py::none());
+        py::arg("softmax_scale"), py::arg("causal"), py::arg("deterministic") = false, py::arg("dlse") = py::none(),
+        py::arg("window_left") = -1, py::arg("window_right") = -1, py::arg("softcap") = 0.0,
+        py::arg("cu_seqlens_q") = py::none(), py::arg("cu_seqlens_k") = py::none(), py::arg("seqused_q") = py::none(),
+        py::arg("seqused_k") = py::none(), py::arg("max_seqlen_q") = 0, py::arg("max_seqlen_k") = 0);
   m.def("compiled_kernels", &compiled_kernels, "Names of the kernel instantiations in this build");
 }

@@ -25,8 +25,10 @@ struct FwdParams {
   void* o = nullptr;
   int64_t o_batch_stride = 0, o_row_stride = 0, o_head_stride = 0;
 
-  // lse: (batch, nheads_q, seqlen_q) float32, contiguous; natural log; -inf for rows that see no key.
+  // lse: (batch, nheads_q, seqlen_q) float32, contiguous, or (nheads_q, total_q) for packed batches;
+  // natural log; -inf for rows that see no key.
   float* lse = nullptr;
+  int64_t lse_batch_stride = 0, lse_head_stride = 0;
 
   int batch = 0;
   int seqlen_q = 0;
@@ -42,7 +44,30 @@ struct FwdParams {
   bool causal = false;
 
   DType dtype = DType::kBF16;
+
+  // Packed (varlen) batches, else all null: sequence b owns rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of
+  // q/out and [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k/v, which are then (total, heads, head_dim) with
+  // batch strides 0; seqlen_q/seqlen_k are the longest lengths (they size the grid), total_q/total_k the
+  // packed row counts. seqused_q/seqused_k (batch), optional, shorten each sequence to its first rows.
+  const int* cu_seqlens_q = nullptr;
+  const int* cu_seqlens_k = nullptr;
+  const int* seqused_q = nullptr;
+  const int* seqused_k = nullptr;
+  int total_q = 0, total_k = 0;
+
+  // Sliding window, read by the kLocal kernels only: query i sees keys
+  // [i + seqlen_k - seqlen_q - window_left, i + seqlen_k - seqlen_q + window_right]; the binding passes an
+  // unbounded side as a value larger than any length. softcap > 0: scores s become softcap * tanh(s / softcap).
+  bool local = false;
+  int window_left = 0, window_right = 0;
+  float softcap = 0.f;
 };
+
+// Packed batches keep their fp32 backward scratch in rows that start each sequence on a multiple of
+// kAccumRowAlign (so a query block never straddles two sequences): sequence b starts at row
+// padded_row_offset(cu_seqlens_q[b], b), and (total_q + batch * kAccumRowAlign) rows cover them all.
+constexpr int kAccumRowAlign = 128;
+inline constexpr int padded_row_offset(int cu_q, int b) { return (cu_q + b * kAccumRowAlign) / kAccumRowAlign * kAccumRowAlign; }
 
 struct BwdParams {
   // Inputs, same conventions as FwdParams: (batch, seqlen, heads, head_dim), last dim contiguous, other
@@ -70,7 +95,11 @@ struct BwdParams {
   int64_t dk_batch_stride = 0, dk_row_stride = 0, dk_head_stride = 0;
   int64_t dv_batch_stride = 0, dv_row_stride = 0, dv_head_stride = 0;
 
-  // Scratch, contiguous, rows padded to seqlen_q_rounded (a multiple of the kernel's kBlockM):
+  // lse and dlse of packed batches: (nheads_q, total_q), with these strides (batch stride 0).
+  int64_t lse_batch_stride = 0, lse_head_stride = 0;
+
+  // Scratch, contiguous, rows padded to seqlen_q_rounded (a multiple of the kernel's kBlockM); packed
+  // batches use (nheads_q, accum_rows) with sequence b from padded_row_offset (accum_batch_stride 0):
   //   dq_accum (batch, nheads_q, seqlen_q_rounded, head_dim) fp32, zeroed by the pre-pass. Within each
   //            block of kBlockM rows the kernel may store elements in its own order (the sm90 kernel keeps
   //            its accumulator's register order so a whole block is one bulk reduce-add); the post-pass
@@ -82,6 +111,9 @@ struct BwdParams {
   float* dpsum = nullptr;
   float* lse_log2 = nullptr;
   int seqlen_q_rounded = 0;
+  // Row strides of the scratch (dq_accum multiplies them by head_dim): fixed-length batches
+  // (nheads_q * seqlen_q_rounded, seqlen_q_rounded), packed ones (0, accum_rows).
+  int64_t accum_batch_stride = 0, accum_head_stride = 0;
   // Deterministic dQ: null for the default (blocks of keys add into dq_accum in whatever order they
   // finish), else zeroed int32 counters, one per (batch, head_q, query block of 64 rows), with which the key
   // blocks take turns in a fixed order, so dq is bitwise reproducible.
@@ -92,6 +124,23 @@ struct BwdParams {
   float softmax_scale_log2 = 0.f;
   bool causal = false;
   DType dtype = DType::kBF16;
+
+  // Packed (varlen) batches, else all null: sequence b owns rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of
+  // q/out and [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k/v, which are then (total, heads, head_dim) with
+  // batch strides 0; seqlen_q/seqlen_k are the longest lengths (they size the grid), total_q/total_k the
+  // packed row counts. seqused_q/seqused_k (batch), optional, shorten each sequence to its first rows.
+  const int* cu_seqlens_q = nullptr;
+  const int* cu_seqlens_k = nullptr;
+  const int* seqused_q = nullptr;
+  const int* seqused_k = nullptr;
+  int total_q = 0, total_k = 0;
+
+  // Sliding window, read by the kLocal kernels only: query i sees keys
+  // [i + seqlen_k - seqlen_q - window_left, i + seqlen_k - seqlen_q + window_right]; the binding passes an
+  // unbounded side as a value larger than any length. softcap > 0: scores s become softcap * tanh(s / softcap).
+  bool local = false;
+  int window_left = 0, window_right = 0;
+  float softcap = 0.f;
 };
 
 }  // namespace flash4

@@ -137,6 +137,13 @@ def kernel_available(device: torch.device, dtype: torch.dtype, hdim: int) -> tup
     return True, ""
 
 
+def features_available(device: torch.device) -> bool:
+    """Whether the device's kernel family has sliding windows, softcap and packed (varlen) batches: the
+    sm90 kernels do, the Ampere-path forward does not yet (those calls run on the reference there)."""
+    device = torch.device(device)
+    return device.type == "cuda" and kernel_arch(device)[0] == 90
+
+
 @functools.cache
 def backward_hdims(dtype_key: str) -> tuple[int, ...]:
     """Head dims with a compiled backward kernel for dtype 'bf16'/'fp16' (from the extension's list)."""

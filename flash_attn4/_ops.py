@@ -4,6 +4,7 @@
         -> (out, lse)
     flash_attn4::bwd(dout, dlse?, q, k, v, out, lse, softmax_scale, causal, window_left, window_right,
                      softcap, deterministic) -> (dq, dk, dv)
+    flash_attn4::fwd_varlen / bwd_varlen: the same for packed batches (cu_seqlens, optional seqused)
 
 Both have fake (meta) implementations, so torch.compile(fullgraph=True) and CUDA-graph capture trace
 through them. Each call goes to the compiled kernel when one can serve it (see `_kernel_plan`), else to
@@ -13,7 +14,7 @@ No `from __future__ import annotations` here: custom_op reads the schema from re
 """
 
 import warnings
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -52,24 +53,37 @@ def _effective_mask(
     return left, right
 
 
+class _Plan(NamedTuple):
+    """What the kernel is asked to do: `causal` alone, or a window (left/right, -1 = unbounded)."""
+
+    causal: bool
+    window_left: int = -1
+    window_right: int = -1
+
+
 def _kernel_plan(
     q: Tensor, k: Tensor, causal: bool, window_left: int, window_right: int, softcap: float
-) -> tuple[Optional[bool], str]:
-    """Decide the path. Returns (causal for the kernel, "") or (None, why the reference runs)."""
+) -> tuple[Optional[_Plan], str]:
+    """Decide the path for a (batch, seqlen, heads, d) call. Returns (plan, "") or (None, why the reference
+    runs)."""
     if q.numel() == 0 or k.shape[1] == 0:
         return None, ""  # nothing to compute (or only empty rows): no kernel launch, nothing to warn about
     ok, why = _build_info.kernel_available(q.device, q.dtype, q.shape[-1])
     if not ok:
         return None, why
-    if softcap != 0.0:
-        return None, "softcap is not implemented in the CUDA kernel yet; pass softcap=0.0 for the fast path"
     left, right = _effective_mask(q.shape[1], k.shape[1], causal, window_left, window_right)
-    if left != -1 or right not in (-1, 0):
-        return None, (
-            "sliding-window attention is not implemented in the CUDA kernel yet; "
-            "use window_size=(-1, -1) (optionally causal=True) for the fast path"
-        )
-    return right == 0, ""
+    plain = left == -1 and right in (-1, 0)
+    if (softcap != 0.0 or not plain) and not _build_info.features_available(q.device):
+        return None, _NO_FEATURES
+    if plain:
+        return _Plan(right == 0), ""
+    return _Plan(False, left, right), ""
+
+
+_NO_FEATURES = (
+    "sliding windows, softcap and packed batches run only on the sm90 kernels (Hopper) so far; this device "
+    "takes the Ampere-path kernels"
+)
 
 
 def _tma_ready(t: Tensor) -> Tensor:
@@ -88,26 +102,50 @@ def _tma_ready(t: Tensor) -> Tensor:
     return t if ok else t.clone(memory_format=torch.contiguous_format)
 
 
+def _kernel_options(plan: _Plan, softcap: float, varlen: Optional[dict]) -> dict:
+    """Keyword arguments of `_C.fwd` / `_C.bwd` beyond the tensors, scale and causal flag."""
+    kw = {
+        "window_left": int(plan.window_left),
+        "window_right": int(plan.window_right),
+        "softcap": float(softcap),
+    }
+    return {**kw, **(varlen or {})}
+
+
 def fwd_into(
-    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, softmax_scale: float, causal: bool
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    softmax_scale: float,
+    causal: bool,
+    *,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    varlen: Optional[dict] = None,
 ) -> None:
-    """Run the compiled forward kernel, writing every element of `out` and `lse`.
+    """Run the compiled forward kernel, writing `out` and `lse`.
 
     Args:
         q: (batch, seqlen_q, nheads_q, headdim) fp16/bf16 on an sm90 device; k, v: (batch, seqlen_k,
-            nheads_kv, headdim), same dtype. Any strides; copies are made only where TMA needs them.
-        out: (batch, seqlen_q, nheads_q, headdim), q's dtype, contiguous. Written.
-        lse: (batch, nheads_q, seqlen_q) float32, contiguous. Written.
+            nheads_kv, headdim), same dtype. Packed batches (`varlen` given): (total, heads, headdim). Any
+            strides; copies are made only where TMA needs them.
+        out: shaped like q, q's dtype, contiguous. Written (packed: rows of the sequences only).
+        lse: (batch, nheads_q, seqlen_q), packed (nheads_q, total_q), float32, contiguous. Written.
         softmax_scale: for the ORIGINAL head dim (padding below must not change it).
+        window: (left, right), -1 = unbounded; (-1, -1) with `causal` gives the causal kernel.
+        varlen: cu_seqlens_q/k, seqused_q/k, max_seqlen_q/k for `_C.fwd`.
     """
     ext, why = _build_info.load_extension()
     if ext is None:
         raise RuntimeError(why)
-    b, sq, hq, d = q.shape
+    d = q.shape[-1]
     if out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {q.dtype} tensor of shape {tuple(q.shape)}")
-    if lse.shape != (b, hq, sq) or lse.dtype != torch.float32 or not lse.is_contiguous():
-        raise ValueError(f"lse must be a contiguous float32 tensor of shape {(b, hq, sq)}")
+    lse_shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+    if lse.shape != lse_shape or lse.dtype != torch.float32 or not lse.is_contiguous():
+        raise ValueError(f"lse must be a contiguous float32 tensor of shape {lse_shape}")
     dpad = _build_info.padded_hdim(d)
     if dpad is None:
         raise ValueError(f"head dim {d} has no built kernel (built: {_build_info.HDIMS})")
@@ -115,10 +153,20 @@ def fwd_into(
         # Zero columns add nothing to q.k and produce zero output columns, which are dropped.
         pad = (0, dpad - d)
         q, k, v = (torch.nn.functional.pad(t, pad) for t in (q, k, v))
-        out_k = out.new_empty(b, sq, hq, dpad)
+        out_k = torch.nn.functional.pad(out, pad)  # keeps out's values in rows the kernel does not write
     else:
         out_k = out
-    ext.fwd(_tma_ready(q), _tma_ready(k), _tma_ready(v), out_k, lse, float(softmax_scale), bool(causal))
+    plan = _Plan(bool(causal), *window)
+    ext.fwd(
+        _tma_ready(q),
+        _tma_ready(k),
+        _tma_ready(v),
+        out_k,
+        lse,
+        float(softmax_scale),
+        bool(causal),
+        **_kernel_options(plan, softcap, varlen),
+    )
     if out_k is not out:
         out.copy_(out_k[..., :d])
 
@@ -137,14 +185,20 @@ def bwd_into(
     causal: bool,
     deterministic: bool = False,
     dlse: Optional[Tensor] = None,
+    *,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    varlen: Optional[dict] = None,
 ) -> None:
     """Run the compiled sm90 backward kernel, writing dq, dk and dv.
 
     Args:
         dout, out: (batch, seqlen_q, nheads_q, headdim) like q; lse: the forward's (batch, nheads_q,
-            seqlen_q) float32. dq: like q, dk/dv: like k/v, contiguous; written.
+            seqlen_q) float32 (packed batches: (total, heads, headdim) and (nheads_q, total_q)). dq: like q,
+            dk/dv: like k/v, contiguous; written (packed: rows of the sequences only).
         deterministic: bitwise-reproducible dq (key blocks add into it in a fixed order; slower).
         dlse: gradient of lse (same shape), or None for zero.
+        window, softcap, varlen: as for `fwd_into`.
     """
     ext, why = _build_info.load_extension()
     if ext is None or not hasattr(ext, "bwd"):
@@ -160,7 +214,7 @@ def bwd_into(
         # As in fwd_into: zero columns change no score; the padded gradient columns are dropped.
         pad = (0, dpad - d)
         dout, q, k, v, out = (torch.nn.functional.pad(t, pad) for t in (dout, q, k, v, out))
-        dq_k, dk_k, dv_k = (t.new_empty(*t.shape) for t in (q, k, v))
+        dq_k, dk_k, dv_k = (t.new_zeros(*t.shape) for t in (q, k, v))
     else:
         dq_k, dk_k, dv_k = dq, dk, dv
     ext.bwd(
@@ -177,6 +231,7 @@ def bwd_into(
         bool(causal),
         bool(deterministic),
         None if dlse is None else dlse.float().contiguous(),
+        **_kernel_options(_Plan(bool(causal), *window), softcap, varlen),
     )
     if dpad != d:
         dq.copy_(dq_k[..., :d])
@@ -222,15 +277,15 @@ def fwd(
     Inputs are assumed validated (`interface.attn` does that). lse is float32, except float64 for
     float64 inputs (CPU reference only), so that gradcheck can check gradients through lse.
     """
-    kernel_causal, why = _kernel_plan(q, k, causal, window_left, window_right, softcap)
-    if kernel_causal is None:
+    plan, why = _kernel_plan(q, k, causal, window_left, window_right, softcap)
+    if plan is None:
         if why and q.is_cuda:
             _warn_once(why)
         return _reference_fwd(q, k, v, softmax_scale, causal, (window_left, window_right), softcap)
     b, sq, hq, d = q.shape
     out = q.new_empty(b, sq, hq, d)
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
-    fwd_into(q, k, v, out, lse, softmax_scale, kernel_causal)
+    fwd_into(q, k, v, out, lse, softmax_scale, plan.causal, window=plan[1:], softcap=softcap)
     return out, lse
 
 
@@ -264,11 +319,27 @@ def bwd(
     float64 for float64 inputs; written out rather than taken with torch.func.vjp, which breaks under
     dispatch modes such as opcheck's schema check), with a one-time warning on CUDA.
     """
-    kernel_causal, why = _kernel_plan(q, k, causal, window_left, window_right, softcap)
-    if kernel_causal is not None:
+    plan, why = _kernel_plan(q, k, causal, window_left, window_right, softcap)
+    if plan is not None:
         if _build_info.backward_padded_hdim(q.dtype, q.shape[-1], q.device) is not None:
             dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
-            bwd_into(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, kernel_causal, deterministic, dlse)
+            bwd_into(
+                dout,
+                q,
+                k,
+                v,
+                out,
+                lse,
+                dq,
+                dk,
+                dv,
+                softmax_scale,
+                plan.causal,
+                deterministic,
+                dlse,
+                window=plan[1:],
+                softcap=softcap,
+            )
             return dq, dk, dv
         _warn_once(
             f"head dim {q.shape[-1]} has a forward kernel but no backward kernel yet (backward head dims: "
@@ -315,12 +386,32 @@ def _backward(ctx, dout: Optional[Tensor], dlse: Optional[Tensor]):
 fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-# Variable-length (packed) batches. No CUDA kernel serves these yet (the varlen issue adds one): every call
-# runs reference.attention_varlen_ref, which reads cu_seqlens on the host.
-_VARLEN_NO_KERNEL = (
-    "variable-length attention has no CUDA kernel yet; attn_varlen runs on the PyTorch reference "
-    "(per-sequence loop, host sync on cu_seqlens)"
-)
+# Variable-length (packed) batches. The sm90 kernels serve them (they read cu_seqlens on the device, so
+# there is no host synchronisation and the op can be captured in a CUDA graph); elsewhere
+# reference.attention_varlen_ref runs, which reads cu_seqlens on the host.
+
+
+def _varlen_plan(q: Tensor, k: Tensor, max_seqlen_q: int, max_seqlen_k: int) -> tuple[bool, str]:
+    """(True, "") when the kernel serves this packed call, else (False, why the reference runs)."""
+    if q.shape[0] == 0 or k.shape[0] == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
+        return False, ""
+    ok, why = _build_info.kernel_available(q.device, q.dtype, q.shape[-1])
+    if not ok:
+        return False, why
+    if not _build_info.features_available(q.device):
+        return False, _NO_FEATURES
+    return True, ""
+
+
+def _varlen_args(cu_q, cu_k, used_q, used_k, max_q, max_k) -> dict:
+    return {
+        "cu_seqlens_q": cu_q,
+        "cu_seqlens_k": cu_k,
+        "seqused_q": used_q,
+        "seqused_k": used_k,
+        "max_seqlen_q": int(max_q),
+        "max_seqlen_k": int(max_k),
+    }
 
 
 @torch.library.custom_op("flash_attn4::fwd_varlen", mutates_args=())
@@ -332,15 +423,38 @@ def fwd_varlen(
     cu_seqlens_k: Tensor,
     seqused_q: Optional[Tensor],
     seqused_k: Optional[Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
     softmax_scale: float,
     causal: bool,
     window_left: int,
     window_right: int,
     softcap: float,
+    deterministic: bool,
 ) -> tuple[Tensor, Tensor]:
-    """Varlen forward. q (total_q, hq, d), k/v (total_k, hk, d) -> out like q, lse (hq, total_q)."""
-    if q.is_cuda:
-        _warn_once(_VARLEN_NO_KERNEL)
+    """Varlen forward. q (total_q, hq, d), k/v (total_k, hk, d) -> out like q, lse (hq, total_q).
+
+    Rows outside every sequence (past seqused_q, or past cu_seqlens_q[-1]) get out = 0 and lse = -inf.
+    """
+    use_kernel, why = _varlen_plan(q, k, max_seqlen_q, max_seqlen_k)
+    if use_kernel:
+        out = torch.zeros_like(q, memory_format=torch.contiguous_format)
+        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+        fwd_into(
+            q,
+            k,
+            v,
+            out,
+            lse,
+            softmax_scale,
+            causal,
+            window=(window_left, window_right),
+            softcap=softcap,
+            varlen=_varlen_args(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k),
+        )
+        return out, lse
+    if why and q.is_cuda:
+        _warn_once(why)
     out, lse = reference.attention_varlen_ref(
         q,
         k,
@@ -358,9 +472,7 @@ def fwd_varlen(
 
 
 @fwd_varlen.register_fake
-def _fwd_varlen_fake(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, softmax_scale, causal, wl, wr, softcap
-):
+def _fwd_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *args):
     total_q, hq, d = q.shape
     return q.new_empty(total_q, hq, d), torch.empty(hq, total_q, dtype=_lse_dtype(q.dtype), device=q.device)
 
@@ -368,21 +480,57 @@ def _fwd_varlen_fake(
 @torch.library.custom_op("flash_attn4::bwd_varlen", mutates_args=())
 def bwd_varlen(
     dout: Tensor,
-    dlse: Tensor,
+    dlse: Optional[Tensor],
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    out: Tensor,
+    lse: Tensor,
     cu_seqlens_q: Tensor,
     cu_seqlens_k: Tensor,
     seqused_q: Optional[Tensor],
     seqused_k: Optional[Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
     softmax_scale: float,
     causal: bool,
     window_left: int,
     window_right: int,
     softcap: float,
+    deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Varlen backward (reference): dq like q, dk like k, dv like v; gradients through lse included."""
+    """Varlen backward: dq like q, dk like k, dv like v (zero outside every sequence); through lse too."""
+    use_kernel, why = _varlen_plan(q, k, max_seqlen_q, max_seqlen_k)
+    if use_kernel and _build_info.backward_padded_hdim(q.dtype, q.shape[-1], q.device) is not None:
+        # Zeros: the kernel writes only rows inside the sequences.
+        dq, dk, dv = (torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+        bwd_into(
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            dq,
+            dk,
+            dv,
+            softmax_scale,
+            causal,
+            deterministic,
+            dlse,
+            window=(window_left, window_right),
+            softcap=softcap,
+            varlen=_varlen_args(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k),
+        )
+        return dq, dk, dv
+    if use_kernel:
+        _warn_once(
+            f"head dim {q.shape[-1]} has no backward kernel yet; the varlen gradient is computed there"
+        )
+    elif why and q.is_cuda:
+        _warn_once(why)
+    if dlse is None:
+        dlse = torch.zeros(q.shape[1], q.shape[0], dtype=_lse_dtype(q.dtype), device=q.device)
     grads = reference.attention_varlen_bwd_ref(
         dout,
         q,
@@ -408,18 +556,18 @@ def _bwd_varlen_fake(dout, dlse, q, k, v, *args):
 
 def _setup_context_varlen(ctx, inputs, output) -> None:
     q, k, v, cu_q, cu_k, used_q, used_k, *args = inputs
-    ctx.save_for_backward(q, k, v, cu_q, cu_k)
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
     ctx.used = (used_q, used_k)
     ctx.args = tuple(args)
+    ctx.set_materialize_grads(False)
 
 
 def _backward_varlen(ctx, dout: Optional[Tensor], dlse: Optional[Tensor]):
-    q, k, v, cu_q, cu_k = ctx.saved_tensors
-    dout = torch.zeros_like(q) if dout is None else dout
-    if dlse is None:
-        dlse = torch.zeros(q.shape[1], q.shape[0], dtype=_lse_dtype(q.dtype), device=q.device)
-    dq, dk, dv = bwd_varlen(dout, dlse, q, k, v, cu_q, cu_k, *ctx.used, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    dout = torch.zeros_like(out) if dout is None else dout
+    dq, dk, dv = bwd_varlen(dout, dlse, q, k, v, out, lse, cu_q, cu_k, *ctx.used, *ctx.args)
+    return (dq, dk, dv) + (None,) * 12
 
 
 fwd_varlen.register_autograd(_backward_varlen, setup_context=_setup_context_varlen)

@@ -160,8 +160,8 @@ def attn(
         lse: (batch, nheads_q, seqlen_q) float32, natural log. A row that sees no key has out = 0, lse = -inf.
 
     The inputs are never modified. Gradients flow to q, k, v (and through lse): on Hopper through the
-    sm90 backward kernel (options the kernels lack fall back to the PyTorch reference with a warning),
-    elsewhere through the reference.
+    sm90 kernels (windows and softcap included; options a kernel lacks fall back to the PyTorch reference
+    with a warning), elsewhere through the reference.
     """
     _validate_tensors(q, k, v)
     softmax_scale, left, right, softcap = _validate_options(
@@ -257,8 +257,9 @@ def attn_varlen(
         cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 offsets: sequence i owns q rows
             [cu_seqlens_q[i], cu_seqlens_q[i+1]) and k/v rows [cu_seqlens_k[i], cu_seqlens_k[i+1]).
             Zero-length sequences are allowed.
-        max_seqlen_q, max_seqlen_k: the longest sequence lengths (Python ints, FlashAttention's API; the
-            CUDA kernel will size its grid from them without reading the offsets on the host).
+        max_seqlen_q, max_seqlen_k: upper bounds of the sequence lengths (Python ints, FlashAttention's
+            API): the CUDA kernels size their grids from them without reading the offsets on the host, so a
+            sequence longer than its bound is not fully computed.
         seqused_q, seqused_k: optional (batch,) int32: only the first seqused rows of each sequence take part;
             query rows past seqused_q get out = 0 and lse = -inf.
         causal, softmax_scale, window_size, softcap, deterministic: as for `attn`, per sequence (masks aligned
@@ -267,14 +268,30 @@ def attn_varlen(
     Returns:
         out: (total_q, nheads_q, headdim); with return_lse also lse: (nheads_q, total_q) float32.
 
-    Runs on the PyTorch reference for now (the CUDA varlen kernel is a later issue); gradients flow to q,
-    k, v on every device.
+    On Hopper the sm90 kernels run it, forward and backward, reading the offsets on the device (no host
+    synchronisation: the call can be captured in a CUDA graph and replayed with new offsets, provided the
+    max_seqlen values still bound them). Elsewhere the PyTorch reference runs. Gradients flow to q, k, v
+    (and through lse).
     """
     _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
     softmax_scale, left, right, softcap = _validate_options(
         q.shape[-1], causal, softmax_scale, window_size, softcap, return_lse, deterministic
     )
     out, lse = torch.ops.flash_attn4.fwd_varlen(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, softmax_scale, causal, left, right, softcap
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        seqused_q,
+        seqused_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        softmax_scale,
+        causal,
+        left,
+        right,
+        softcap,
+        deterministic,
     )
     return (out, lse) if return_lse else out

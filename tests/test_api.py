@@ -10,7 +10,14 @@ import torch
 
 import flash_attn4
 from flash_attn4 import _build_info, _ops, attn, interface
-from flash_attn4.reference import attention_bwd_ref, attention_ref
+from flash_attn4.reference import (
+    attention_bwd_ref,
+    attention_ref,
+    attention_varlen_bwd_ref,
+    attention_varlen_ref,
+)
+
+_VARLEN_KEYS = ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "max_seqlen_q", "max_seqlen_k")
 
 
 def _qkv(b=2, sq=5, sk=7, hq=4, hk=2, d=16, dtype=torch.float32, **kw):
@@ -236,20 +243,35 @@ class FakeExt:
     def __init__(self):
         self.calls = []
 
-    def fwd(self, q, k, v, out, lse, softmax_scale, causal):
+    @staticmethod
+    def _options(causal, kw):
+        assert set(kw) <= {"window_left", "window_right", "softcap", *_VARLEN_KEYS}
+        window = (kw.get("window_left", -1), kw.get("window_right", -1))
+        assert all(isinstance(w, int) for w in window) and isinstance(kw.get("softcap", 0.0), float)
+        opts = {"causal": causal, "window_size": window, "softcap": kw.get("softcap", 0.0)}
+        varlen = {n: kw[n] for n in ("seqused_q", "seqused_k") if kw.get(n) is not None}
+        return opts, varlen, kw.get("cu_seqlens_q") is not None
+
+    def fwd(self, q, k, v, out, lse, softmax_scale, causal, **kw):
         assert isinstance(softmax_scale, float) and isinstance(causal, bool)
         for t in (q, k, v):
             assert t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1]) and t.data_ptr() % 16 == 0
             assert t.shape[-1] in _build_info.HDIMS
-        b, sq, hq, d = q.shape
-        assert out.shape == (b, sq, hq, d) and out.dtype == q.dtype and out.is_contiguous()
-        assert lse.shape == (b, hq, sq) and lse.dtype == torch.float32 and lse.is_contiguous()
-        ref_out, ref_lse = attention_ref(q, k, v, causal=causal, softmax_scale=softmax_scale)
+        opts, used, packed = self._options(causal, kw)
+        assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
+        if packed:
+            assert lse.shape == (q.shape[1], q.shape[0]) and lse.is_contiguous()
+            cu = (kw["cu_seqlens_q"], kw["cu_seqlens_k"])
+            ref_out, ref_lse = attention_varlen_ref(q, k, v, *cu, softmax_scale=softmax_scale, **opts, **used)
+        else:
+            b, sq, hq, d = q.shape
+            assert lse.shape == (b, hq, sq) and lse.dtype == torch.float32 and lse.is_contiguous()
+            ref_out, ref_lse = attention_ref(q, k, v, softmax_scale=softmax_scale, **opts)
         out.copy_(ref_out)
         lse.copy_(ref_lse)
-        self.calls.append({"q": q, "k": k, "v": v, "scale": softmax_scale, "causal": causal})
+        self.calls.append({"q": q, "k": k, "v": v, "scale": softmax_scale, **opts, "packed": packed})
 
-    def bwd(self, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, deterministic, dlse):
+    def bwd(self, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, deterministic, dlse, **kw):
         assert isinstance(softmax_scale, float) and isinstance(causal, bool)
         assert isinstance(deterministic, bool)
         for t in (dout, q, k, v, out):
@@ -259,10 +281,18 @@ class FakeExt:
             assert g.shape == like.shape and g.dtype == like.dtype and g.is_contiguous()
         assert lse.dtype == torch.float32 and lse.is_contiguous()
         assert dlse is None or (dlse.shape == lse.shape and dlse.dtype == torch.float32)
-        grads = attention_bwd_ref(dout, q, k, v, dlse=dlse, causal=causal, softmax_scale=softmax_scale)
+        opts, used, packed = self._options(causal, kw)
+        if packed:
+            cu = (kw["cu_seqlens_q"], kw["cu_seqlens_k"])
+            dl = torch.zeros_like(lse) if dlse is None else dlse
+            grads = attention_varlen_bwd_ref(
+                dout, q, k, v, *cu, dlse=dl, softmax_scale=softmax_scale, **opts, **used
+            )
+        else:
+            grads = attention_bwd_ref(dout, q, k, v, dlse=dlse, softmax_scale=softmax_scale, **opts)
         for g, r in zip((dq, dk, dv), grads):
             g.copy_(r)
-        self.calls.append({"bwd": True, "q": q, "deterministic": deterministic, "dlse": dlse})
+        self.calls.append({"bwd": True, "q": q, "deterministic": deterministic, "dlse": dlse, **opts})
 
     def compiled_kernels(self):
         kinds = [(t, h, c) for t in ("bf16", "fp16") for h in (64, 128) for c in ("causal", "noncausal")]
@@ -275,6 +305,7 @@ def fake_ext(monkeypatch):
     monkeypatch.setattr(_build_info, "load_extension", lambda: (ext, ""))
     monkeypatch.setattr(_build_info, "HDIMS", (64, 96, 128))
     monkeypatch.setattr(_build_info, "kernel_available", lambda device, dtype, hdim: (True, ""))
+    monkeypatch.setattr(_build_info, "features_available", lambda device: True)
     _build_info.backward_hdims.cache_clear()
     yield ext
     _build_info.backward_hdims.cache_clear()
@@ -371,23 +402,23 @@ def test_kernel_path_backward_falls_back_without_bwd_kernel(fake_ext, monkeypatc
 
 
 @pytest.mark.parametrize(
-    "kw, kernel_causal",
+    "kw, kernel_causal, kernel_window",
     [
-        ({}, False),
-        ({"causal": True}, True),
-        ({"window_size": (-1, 0)}, True),
-        ({"window_size": (8, -1)}, False),  # as wide as the keys: no window at all
-        ({"window_size": (2, -1)}, None),
-        ({"softcap": 2.0}, None),
+        ({}, False, (-1, -1)),
+        ({"causal": True}, True, (-1, -1)),
+        ({"window_size": (-1, 0)}, True, (-1, -1)),
+        ({"window_size": (8, -1)}, False, (-1, -1)),  # as wide as the keys: no window at all
+        ({"window_size": (2, -1)}, False, (2, -1)),
+        ({"window_size": (2, -1), "causal": True}, False, (2, 0)),
+        ({"softcap": 2.0}, False, (-1, -1)),
     ],
 )
-def test_kernel_plan_features(fake_ext, kw, kernel_causal):
+def test_kernel_plan_features(fake_ext, kw, kernel_causal, kernel_window):
     q, k, v = _qkv(sq=6, sk=9, d=64, dtype=torch.bfloat16)
     out = attn(q, k, v, **kw)
-    if kernel_causal is None:
-        assert not fake_ext.calls  # fell back to the reference
-    else:
-        assert fake_ext.calls[-1]["causal"] is kernel_causal
+    call = fake_ext.calls[-1]
+    assert call["causal"] is kernel_causal and call["window_size"] == kernel_window
+    assert call["softcap"] == kw.get("softcap", 0.0)
     ref = attention_ref(
         q,
         k,
@@ -433,3 +464,20 @@ def test_backward_kernel_only_on_the_sm90_path(monkeypatch, fake_ext):
     assert _build_info.backward_padded_hdim(torch.bfloat16, 64, cuda) == 64
     monkeypatch.setenv("FLASH_ATTN4_FORCE_SM80", "1")
     assert _build_info.backward_padded_hdim(torch.bfloat16, 64, cuda) is None
+
+
+def test_varlen_goes_to_the_kernel_forward_and_backward(fake_ext):
+    """Packed batches reach `_C.fwd`/`_C.bwd` with the offsets (not read on the host), as the reference."""
+    lens_q, lens_k = [5, 0, 9], [7, 3, 2]
+    cu_q = torch.tensor([0, 5, 5, 14], dtype=torch.int32)
+    cu_k = torch.tensor([0, 7, 10, 12], dtype=torch.int32)
+    q = torch.randn(sum(lens_q), 4, 64, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(sum(lens_k), 2, 64, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(sum(lens_k), 2, 64, dtype=torch.bfloat16, requires_grad=True)
+    kw = {"causal": True, "window_size": (3, -1), "softcap": 5.0}
+    out = flash_attn4.attn_varlen(q, k, v, cu_q, cu_k, 9, 7, **kw)
+    assert fake_ext.calls[-1]["packed"] and fake_ext.calls[-1]["window_size"] == (3, 0)
+    dq, dk, dv = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    assert fake_ext.calls[-1].get("bwd")
+    ref = attention_varlen_ref(q.detach(), k.detach(), v.detach(), cu_q, cu_k, **kw)[0]
+    torch.testing.assert_close(out, ref)

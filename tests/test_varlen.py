@@ -109,7 +109,7 @@ def test_varlen_gradients_match_per_sequence_autograd():
 
 def test_varlen_opcheck():
     q, k, v, cu_q, cu_k = _packed([3, 2], [4, 1], 2, 1, 8, dtype=torch.float32)
-    args = (q, k, v, cu_q, cu_k, None, None, 1 / math.sqrt(8), True, -1, -1, 0.0)
+    args = (q, k, v, cu_q, cu_k, None, None, 3, 4, 1 / math.sqrt(8), True, -1, -1, 0.0, False)
     torch.library.opcheck(torch.ops.flash_attn4.fwd_varlen.default, args)
 
 

@@ -1,4 +1,4 @@
-// The backward's pre-pass (arch-independent CUDA, one warp per query row): D = rowsum(dout * out) - dlse, lse in
+// The backward's pre-pass (arch-independent CUDA, one warp per query row of each sequence): D = rowsum(dout * out) - dlse, lse in
 // log2 units (+inf where exp must give 0), dq_accum zeroed. A memory-bound pass over (batch, heads,
 // seqlen_q, head_dim) with 16-byte loads. The post-pass depends on the order in which the main kernel
 // leaves dq_accum, so it lives beside that kernel (sm90/bwd_postprocess_sm90.hpp).
@@ -11,40 +11,46 @@
 #include <cmath>
 
 #include "../params.h"
+#include "block_info.hpp"
 
 namespace flash4 {
 
 constexpr int kPrePostThreads = 128;
+constexpr int kPrePostRows = kPrePostThreads / 32;  // one warp per row
 
-// Row r of the padded (batch * nheads_q * seqlen_q_rounded) range, or false past its end.
-struct RowIndex {
-  int64_t bh;  // b * nheads_q + h
-  int b, h, row;
+// Where row `row` of sequence bidb / head bidh lives: in q-shaped tensors (offset_q + row) and in the
+// scratch (accum_row0 + row). False for rows past the padded end of the sequence (packed batches: the
+// grid covers the longest sequence), which the main kernel never reads.
+struct PrePostRow {
+  SeqInfo seq;
+  int64_t accum_row0;  // scratch row of the sequence's row 0 for this head
 };
 
-__device__ __forceinline__ bool row_index(const BwdParams& p, RowIndex& r) {
-  const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int64_t total = int64_t(p.batch) * p.nheads_q * p.seqlen_q_rounded;
-  if (warp >= total) return false;
-  r.row = int(warp % p.seqlen_q_rounded);
-  r.bh = warp / p.seqlen_q_rounded;
-  r.h = int(r.bh % p.nheads_q);
-  r.b = int(r.bh / p.nheads_q);
-  return true;
+__device__ __forceinline__ PrePostRow prepost_row(const BwdParams& p, int bidh, int bidb) {
+  const SeqInfo seq = make_seq_info(p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k, bidb, p.seqlen_q,
+                                    p.seqlen_k);
+  const int64_t offset = p.cu_seqlens_q ? padded_row_offset(p.cu_seqlens_q[bidb], bidb) : 0;
+  return {seq, seq.batch * p.accum_batch_stride + bidh * p.accum_head_stride + offset};
 }
 
+// Grid (seqlen_q_rounded / kPrePostRows, nheads_q, batch).
 template <class Element>
 __global__ void __launch_bounds__(kPrePostThreads) bwd_preprocess_kernel(const BwdParams p) {
-  RowIndex r;
-  if (!row_index(p, r)) return;
+  const int bidh = blockIdx.y, bidb = blockIdx.z;
+  const int row = blockIdx.x * kPrePostRows + threadIdx.x / 32;
+  const PrePostRow r = prepost_row(p, bidh, bidb);
+  const int seqlen_q = r.seq.seqlen_q;
+  if (row >= (seqlen_q + kAccumRowAlign - 1) / kAccumRowAlign * kAccumRowAlign) return;
   const int lane = threadIdx.x % 32;
+  const bool real_row = row < seqlen_q;
+  const int64_t q_row = int64_t(r.seq.offset_q) + row;
   using Vec = cutlass::Array<Element, 8>;  // 16 bytes
   float d = 0.f;
-  if (r.row < p.seqlen_q) {
-    const Element* o = static_cast<const Element*>(p.out) + r.b * p.out_batch_stride + r.row * p.out_row_stride +
-                       r.h * p.out_head_stride;
-    const Element* dout = static_cast<const Element*>(p.dout) + r.b * p.dout_batch_stride +
-                          r.row * p.dout_row_stride + r.h * p.dout_head_stride;
+  if (real_row) {
+    const Element* o = static_cast<const Element*>(p.out) + r.seq.batch * p.out_batch_stride +
+                       q_row * p.out_row_stride + bidh * p.out_head_stride;
+    const Element* dout = static_cast<const Element*>(p.dout) + r.seq.batch * p.dout_batch_stride +
+                          q_row * p.dout_row_stride + bidh * p.dout_head_stride;
     for (int c = lane * 8; c < p.head_dim; c += 32 * 8) {
       const Vec ov = *reinterpret_cast<const Vec*>(o + c);
       const Vec dv = *reinterpret_cast<const Vec*>(dout + c);
@@ -55,21 +61,20 @@ __global__ void __launch_bounds__(kPrePostThreads) bwd_preprocess_kernel(const B
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) d += __shfl_xor_sync(0xffffffffu, d, offset);
 
-  float4* acc = reinterpret_cast<float4*>(p.dq_accum + (r.bh * p.seqlen_q_rounded + r.row) * p.head_dim);
+  const int64_t i = r.accum_row0 + row;
+  float4* acc = reinterpret_cast<float4*>(p.dq_accum + i * p.head_dim);
   for (int c = lane; c < p.head_dim / 4; c += 32) acc[c] = make_float4(0.f, 0.f, 0.f, 0.f);
 
   if (lane == 0) {
-    const int64_t i = r.bh * p.seqlen_q_rounded + r.row;
-    const bool real_row = r.row < p.seqlen_q;
-    p.dpsum[i] = real_row && p.dlse != nullptr ? d - p.dlse[r.bh * p.seqlen_q + r.row] : d;
-    const float lse = real_row ? p.lse[r.bh * p.seqlen_q + r.row] : -INFINITY;
+    const int64_t lse_i = r.seq.batch * p.lse_batch_stride + bidh * p.lse_head_stride + q_row;
+    p.dpsum[i] = real_row && p.dlse != nullptr ? d - p.dlse[lse_i] : d;
+    const float lse = real_row ? p.lse[lse_i] : -INFINITY;
     p.lse_log2[i] = lse == -INFINITY ? INFINITY : lse * float(M_LOG2E);
   }
 }
 
 inline dim3 prepost_grid(const BwdParams& p) {
-  const int64_t rows = int64_t(p.batch) * p.nheads_q * p.seqlen_q_rounded;
-  return dim3(unsigned((rows * 32 + kPrePostThreads - 1) / kPrePostThreads));
+  return dim3(unsigned(p.seqlen_q_rounded / kPrePostRows), unsigned(p.nheads_q), unsigned(p.batch));
 }
 
 }  // namespace flash4

@@ -1,31 +1,49 @@
-// Masks on a score tile held in registers (arch-independent: rowcol views of the scores and of the
-// matching (row, col) coordinates inside the tile).
+// Masks and score transforms on a score tile held in registers (arch-independent: rowcol views of the
+// scores and of the matching (row, col) coordinates inside the tile).
 #pragma once
 
 #include <cute/tensor.hpp>
 
 #include <cmath>
 
+#include "block_info.hpp"
+
 namespace flash4 {
 
-// Sets to -inf every score whose key is past seqlen_k or, when kCausal, right of the bottom-right
-// aligned diagonal (query i sees key j iff j <= i + seqlen_k - seqlen_q).
-// row0/col0: global index of the tile's first query row / key column.
-template <bool kCausal, class TensorS, class TensorC>
-__device__ __forceinline__ void apply_mask(TensorS& s, TensorC const& coord, int row0, int col0, int seqlen_q,
-                                           int seqlen_k) {
+// Sets to -inf every score that `bm` masks (key past seqlen_k, right of the causal diagonal / right window
+// bound, left of the left window bound). row0/col0: the tile's first query row / key column in the sequence.
+template <class BM, class TensorS, class TensorC>
+__device__ __forceinline__ void apply_mask(TensorS& s, TensorC const& coord, int row0, int col0, BM const& bm) {
 #pragma unroll
   for (int r = 0; r < cute::size<0>(s); ++r) {
-    int col_limit = seqlen_k - col0;  // first masked column, tile-relative
-    if constexpr (kCausal) {
-      const int row = row0 + cute::get<0>(coord(r, 0));
-      col_limit = min(col_limit, row + 1 + seqlen_k - seqlen_q - col0);
-    }
+    const int row = row0 + cute::get<0>(coord(r, 0));
+    // Visible columns of this row, tile-relative: [col_lo, col_hi).
+    int col_hi = bm.seqlen_k - col0;
+    int col_lo = 0;
+    if constexpr (BM::kHasRight) col_hi = min(col_hi, row + 1 + bm.off() + bm.right - col0);
+    if constexpr (BM::kLocalMask) col_lo = row + bm.off() - bm.left - col0;
 #pragma unroll
     for (int c = 0; c < cute::size<1>(s); ++c) {
-      if (cute::get<1>(coord(r, c)) >= col_limit) s(r, c) = -INFINITY;
+      const int col = cute::get<1>(coord(r, c));
+      if (col >= col_hi || (BM::kLocalMask && col < col_lo)) s(r, c) = -INFINITY;
     }
   }
+}
+
+// tanh.approx.f32: one MUFU op, max relative error about 2^-11; the capped scores are then rounded far
+// more coarsely by the 16-bit P anyway.
+__device__ __forceinline__ float tanh_approx(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Softcap: s <- tanh(s * scale / cap) in place. The kernels then treat the result as a score whose softmax
+// scale is `cap` (cap * tanh(...) is the capped scaled score), so the online softmax is unchanged.
+template <class TensorS>
+__device__ __forceinline__ void apply_softcap(TensorS& s, float scale_over_cap) {
+#pragma unroll
+  for (int i = 0; i < cute::size(s); ++i) s(i) = tanh_approx(s(i) * scale_over_cap);
 }
 
 }  // namespace flash4

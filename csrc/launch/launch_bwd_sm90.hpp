@@ -14,7 +14,7 @@
 
 namespace flash4 {
 
-template <DType kDType, int kHeadDim, bool kCausal>
+template <DType kDType, int kHeadDim, bool kCausal, bool kLocal>
 void run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   using Element = CutlassElement<kDType>;
   // Head dim <= 128: dK and dV split along keys across the warpgroups; above: along head_dim.
@@ -25,7 +25,7 @@ void run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   }
   bwd_preprocess_kernel<Element><<<prepost_grid(p), kPrePostThreads, 0, stream>>>(p);
   check_cuda(cudaGetLastError(), "backward pre-pass launch");
-  launch_sm90<BwdKernelSm90<Traits, kCausal>>(p, stream, "backward kernel launch");
+  launch_sm90<BwdKernelSm90<Traits, kCausal, kLocal>>(p, stream, "backward kernel launch");
   const dim3 post_grid(p.seqlen_q_rounded / Traits::kBlockM, p.nheads_q, p.batch);
   bwd_postprocess_sm90_kernel<Traits><<<post_grid, Traits::kNumMmaThreads, 0, stream>>>(p);
   check_cuda(cudaGetLastError(), "backward post-pass launch");

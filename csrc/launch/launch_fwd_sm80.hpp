@@ -11,8 +11,9 @@
 
 namespace flash4 {
 
-template <DType kDType, int kHeadDim, bool kCausal>
+template <DType kDType, int kHeadDim, bool kCausal, bool kLocal>
 void run_fwd_sm80(const FwdParams& p, cudaStream_t stream) {
+  static_assert(!kLocal, "the sm80 forward has no sliding-window kernel yet (the generator never asks for one)");
   constexpr FwdTileSm80 tile = fwd_tile_sm80(kHeadDim);
   using Traits = FwdTraitsSm80<CutlassElement<kDType>, kHeadDim, tile.block_m, tile.block_n, tile.warps>;
   using Kernel = FwdKernelSm80<Traits, kCausal>;

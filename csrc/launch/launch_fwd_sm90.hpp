@@ -10,11 +10,12 @@
 
 namespace flash4 {
 
-template <DType kDType, int kHeadDim, bool kCausal>
+template <DType kDType, int kHeadDim, bool kCausal, bool kLocal>
 void run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
-  constexpr FwdTileSm90 tile = fwd_tile_sm90(kHeadDim, kCausal);
+  // Windows mask on both sides: they take the causal tiles (smaller kBlockN, fewer registers for masks).
+  constexpr FwdTileSm90 tile = fwd_tile_sm90(kHeadDim, kCausal || kLocal);
   using Traits = FwdTraitsSm90<CutlassElement<kDType>, kHeadDim, tile.block_m, tile.block_n, tile.stages>;
-  launch_sm90<FwdKernelSm90<Traits, kCausal>>(p, stream, "forward kernel launch");
+  launch_sm90<FwdKernelSm90<Traits, kCausal, kLocal>>(p, stream, "forward kernel launch");
 }
 
 }  // namespace flash4

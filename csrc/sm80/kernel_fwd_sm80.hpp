@@ -126,7 +126,8 @@ struct FwdKernelSm80 {
 
     Element* o = static_cast<Element*>(p.o) + bidb * p.o_batch_stride + bidh * p.o_head_stride;
     float* lse = p.lse + (int64_t(bidb) * p.nheads_q + bidh) * seqlen_q;
-    const int n_max = n_block_max<kBlockM, kBlockN, kCausal>(m_block, seqlen_q, seqlen_k);
+    const BlockMask<kBlockM, kBlockN, kCausal, false> bm(seqlen_q, seqlen_k, 0, 0);
+    const int n_max = bm.n_block_max(m_block);
     if (n_max <= 0) {
       write_empty(p, o, lse, m_block);
       return;
@@ -190,7 +191,7 @@ struct FwdKernelSm80 {
     // Key blocks from mask_from on may hold keys past seqlen_k or right of some row's diagonal.
     int mask_from = seqlen_k % kBlockN == 0 ? n_max : n_max - 1;
     if constexpr (kCausal) {
-      mask_from = cute::min(mask_from, n_block_min_causal_mask<kBlockM, kBlockN>(m_block, seqlen_q, seqlen_k));
+      mask_from = cute::min(mask_from, bm.n_block_right_mask_min(m_block));
     }
 
 #pragma unroll 1
@@ -205,7 +206,7 @@ struct FwdKernelSm80 {
       gemm_smem(tiled_mma, tSrQ, tSrK, tSrS, tSsQ, tSsK, copy_q, copy_k);
       Tensor tSrS_rc = make_tensor(tSrS.data(), sm80_acc_rowcol_layout(tSrS.layout()));
       if (n >= mask_from) {
-        apply_mask<kCausal>(tSrS_rc, tScS_rc, m_block * kBlockM, n * kBlockN, seqlen_q, seqlen_k);
+        apply_mask(tSrS_rc, tScS_rc, m_block * kBlockM, n * kBlockN, bm);
       }
 
       cp_async_wait<0>();

@@ -10,6 +10,7 @@
 #include <cutlass/array.h>
 #include <cutlass/numeric_conversion.h>
 
+#include "../common/bwd_prepost.cuh"
 #include "../params.h"
 
 namespace flash4 {
@@ -24,11 +25,12 @@ __global__ void __launch_bounds__(Traits::kNumMmaThreads) bwd_postprocess_sm90_k
   const int thread_idx = threadIdx.x, warp_group = thread_idx / 128, wg_thread = thread_idx % 128;
   typename Traits::TiledMmadQ mma_dq;
   Tensor cdQ = mma_dq.get_thread_slice(thread_idx).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  const int64_t bh = int64_t(bidb) * p.nheads_q + bidh;
+  const PrePostRow r = prepost_row(p, bidh, bidb);
+  if (m_block * kBlockM >= r.seq.seqlen_q) return;  // packed batches: past this sequence's end
   const float4* acc = reinterpret_cast<const float4*>(p.dq_accum) +
-                      ((bh * p.seqlen_q_rounded + int64_t(m_block) * kBlockM) * kHeadDim +
-                       warp_group * Traits::kdQChunk) / 4;
-  Element* dq = static_cast<Element*>(p.dq) + bidb * p.dq_batch_stride + bidh * p.dq_head_stride;
+                      ((r.accum_row0 + int64_t(m_block) * kBlockM) * kHeadDim + warp_group * Traits::kdQChunk) / 4;
+  Element* dq = static_cast<Element*>(p.dq) + r.seq.batch * p.dq_batch_stride + bidh * p.dq_head_stride +
+                r.seq.offset_q * p.dq_row_stride;
   cutlass::NumericArrayConverter<Element, float, 2> convert;
 #pragma unroll
   for (int e = 0; e < size(cdQ); e += 4) {
@@ -38,7 +40,7 @@ __global__ void __launch_bounds__(Traits::kNumMmaThreads) bwd_postprocess_sm90_k
     for (int j = 0; j < 4; j += 2) {
       // Elements e + j and e + j + 1 are adjacent columns (even first) of one row.
       const int row = m_block * kBlockM + get<0>(cdQ(e + j)), col = get<1>(cdQ(e + j));
-      if (row < p.seqlen_q) {
+      if (row < r.seq.seqlen_q) {
         cutlass::Array<float, 2> f;
         f[0] = v[j] * p.softmax_scale;
         f[1] = v[j + 1] * p.softmax_scale;

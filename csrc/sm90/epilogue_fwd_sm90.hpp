@@ -5,6 +5,7 @@
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
+#include "../common/block_info.hpp"
 #include "../params.h"
 #include "utils_sm90.hpp"
 
@@ -27,17 +28,27 @@ struct EpilogueFwdSm90 {
   struct Params {
     TmaO tma_o;
     ShapeT shape_o;
+    Element* o;
+    int64_t o_row_stride, o_head_stride;
     float* lse;
-    int seqlen_q;
-    int nheads_q;
+    int64_t lse_batch_stride, lse_head_stride;
+    bool packed;
   };
 
   static Params to_params(FwdParams const& p) {
-    ShapeT shape_o = make_shape(p.seqlen_q, p.head_dim, p.nheads_q, p.batch);
+    const bool packed = p.cu_seqlens_q != nullptr;
+    ShapeT shape_o = make_shape(packed ? p.total_q : p.seqlen_q, p.head_dim, p.nheads_q, packed ? 1 : p.batch);
     Tensor mO = make_tensor(make_gmem_ptr(static_cast<Element*>(p.o)), shape_o,
                             make_stride(p.o_row_stride, _1{}, p.o_head_stride, p.o_batch_stride));
-    return {make_tma_copy(SM90_TMA_STORE{}, mO, typename Traits::SmemLayoutO{}, TileO{}, _1{}), shape_o, p.lse,
-            p.seqlen_q, p.nheads_q};
+    return {make_tma_copy(SM90_TMA_STORE{}, mO, typename Traits::SmemLayoutO{}, TileO{}, _1{}),
+            shape_o,
+            static_cast<Element*>(p.o),
+            p.o_row_stride,
+            p.o_head_stride,
+            p.lse,
+            p.lse_batch_stride,
+            p.lse_head_stride,
+            packed};
   }
 
   CUTE_DEVICE static void prefetch_descriptors(Params const& params) {
@@ -47,7 +58,7 @@ struct EpilogueFwdSm90 {
   // Called by all consumer threads (thread_idx 0..255) with their normalized O fragment and row LSEs.
   template <class SharedStorage, class FragO, class LSE>
   CUTE_DEVICE void store(Params const& params, SharedStorage& smem, FragO const& tOrO, LSE const& lse,
-                         int thread_idx, int m_block, int bidh, int bidb) const {
+                         int thread_idx, int m_block, int bidh, SeqInfo const& seq) const {
     typename Traits::TiledMmaPV tiled_mma_pv;
     // O reuses Q's buffer; each warpgroup overwrites only its own 64 rows of Q, which its own last
     // Q K^T (already complete) was the final reader of.
@@ -55,28 +66,49 @@ struct EpilogueFwdSm90 {
 
     Tensor tOrO_out = make_tensor<Element>(tOrO.layout());
     convert_fragment(tOrO, tOrO_out);
-    auto smem_tiled_copy_O = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, tiled_mma_pv);
-    auto smem_thr_copy_O = smem_tiled_copy_O.get_thread_slice(thread_idx);
-    copy(smem_tiled_copy_O, smem_thr_copy_O.retile_S(tOrO_out), smem_thr_copy_O.partition_D(sO));
 
     // LSE: the four lanes that share a row hold the same value; the one holding column 0 writes it.
     auto thr_mma_pv = tiled_mma_pv.get_thread_slice(thread_idx);
     Tensor tOcO = thr_mma_pv.partition_C(make_identity_tensor(TileO{}));
     Tensor tOcO_rc = make_tensor(tOcO.data(), acc_rowcol_layout(tOcO.layout()));
     if (get<1>(tOcO_rc(_0{}, _0{})) == 0) {
-      float* lse_row = params.lse + (int64_t(bidb) * params.nheads_q + bidh) * params.seqlen_q;
+      float* lse_row =
+          params.lse + seq.batch * params.lse_batch_stride + bidh * params.lse_head_stride + seq.offset_q;
 #pragma unroll
       for (int r = 0; r < size<0>(tOcO_rc); ++r) {
         const int row = m_block * kBlockM + get<0>(tOcO_rc(r, _0{}));
-        if (row < params.seqlen_q) lse_row[row] = lse[r];
+        if (row < seq.seqlen_q) lse_row[row] = lse[r];
       }
     }
+
+    // A packed sequence's last, partial tile: the TMA store would clip only at the end of the packed tensor
+    // and overwrite the next sequence's rows, so each thread stores its own rows (pairs of adjacent columns).
+    if (params.packed && (m_block + 1) * kBlockM > seq.seqlen_q) {
+      Element* o = params.o + (int64_t(seq.offset_q) + m_block * kBlockM) * params.o_row_stride +
+                   bidh * params.o_head_stride;
+#pragma unroll
+      for (int e = 0; e < size(tOrO_out); e += 2) {
+        const int row = get<0>(tOcO(e));
+        if (m_block * kBlockM + row < seq.seqlen_q) {
+          cutlass::Array<Element, 2> pair;
+          pair[0] = tOrO_out(e);
+          pair[1] = tOrO_out(e + 1);
+          *reinterpret_cast<cutlass::Array<Element, 2>*>(o + row * params.o_row_stride + get<1>(tOcO(e))) = pair;
+        }
+      }
+      return;
+    }
+
+    auto smem_tiled_copy_O = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, tiled_mma_pv);
+    auto smem_thr_copy_O = smem_tiled_copy_O.get_thread_slice(thread_idx);
+    copy(smem_tiled_copy_O, smem_thr_copy_O.retile_S(tOrO_out), smem_thr_copy_O.partition_D(sO));
 
     // Generic-proxy writes (stmatrix) must be made visible to the async proxy (TMA) before the store.
     cutlass::arch::fence_view_async_shared();
     named_barrier_sync(Traits::kNumMmaThreads, int(FwdBarrier::kEpilogue));
     if (thread_idx == 0) {
-      Tensor mO = params.tma_o.get_tma_tensor(params.shape_o)(_, _, bidh, bidb);
+      Tensor mO = domain_offset(make_coord(seq.offset_q, _0{}),
+                                params.tma_o.get_tma_tensor(params.shape_o)(_, _, bidh, seq.batch));
       Tensor gO = local_tile(mO, TileO{}, make_coord(m_block, _0{}));
       auto [tOgO, tOsO] = tma_partition(params.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
       copy(params.tma_o, tOsO, tOgO);  // rows past seqlen_q are clipped by the TMA unit

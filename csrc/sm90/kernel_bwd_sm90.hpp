@@ -13,6 +13,8 @@
 #include <cutlass/numeric_conversion.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
+#include "../common/block_info.hpp"
+#include "../common/mask.hpp"     // tanh_approx
 #include "../common/softmax.hpp"  // exp2_approx
 #include "../params.h"
 #include "kernel_traits_bwd_sm90.hpp"
@@ -22,7 +24,13 @@ namespace flash4 {
 
 using namespace cute;
 
-template <class Traits_, bool kCausal>
+__device__ __forceinline__ float log2_approx(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+template <class Traits_, bool kCausal, bool kLocal>
 struct BwdKernelSm90 {
   using Traits = Traits_;
   using Element = typename Traits::Element;
@@ -32,10 +40,11 @@ struct BwdKernelSm90 {
   static constexpr int kNumThreads = Traits::kNumThreads;
   static constexpr int kSmemBytes = Traits::kSmemBytes;
   using SharedStorage = typename Traits::SharedStorage;
+  using Mask = BlockMask<kBlockM, kBlockN, kCausal, kLocal>;
 
   using ShapeT = Shape<int32_t, int32_t, int32_t, int32_t>;  // (seqlen, head_dim, heads, batch)
   using StrideT = Stride<int64_t, _1, int64_t, int64_t>;
-  using ShapeRow = Shape<int32_t, int32_t, int32_t>;  // (seqlen_q_rounded, heads, batch)
+  using ShapeRow = Shape<int32_t, int32_t, int32_t>;  // (scratch rows, heads, batch)
   using StrideRow = Stride<_1, int64_t, int64_t>;
   using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
   using TileK = Shape<Int<kBlockN>, Int<kHeadDim>>;
@@ -64,16 +73,27 @@ struct BwdKernelSm90 {
     void* dv;
     int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
     int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
-    int seqlen_q, seqlen_k, seqlen_q_rounded, nheads_q, head_ratio;
-    float scale_log2, softmax_scale;
+    int64_t accum_batch_stride, accum_head_stride;  // scratch rows (see BwdParams)
+    int seqlen_q, seqlen_k, nheads_q, head_ratio;
+    // P = exp2(s * scale_log2 - lse_log2); with softcap s is tanh(s * softcap_scale) and scale_log2 =
+    // softcap * log2(e) (softcap_scale = 0: none).
+    float scale_log2, softmax_scale, softcap_scale;
+    int window_left, window_right;
+    const int* cu_seqlens_q;
+    const int* cu_seqlens_k;
+    const int* seqused_q;
+    const int* seqused_k;
   };
 
   static Params to_params(BwdParams const& p) {
     auto ptr = [](const void* x) { return make_gmem_ptr(static_cast<Element const*>(x)); };
-    ShapeT shape_q = make_shape(p.seqlen_q, p.head_dim, p.nheads_q, p.batch);
-    ShapeT shape_k = make_shape(p.seqlen_k, p.head_dim, p.nheads_kv, p.batch);
-    ShapeRow shape_row = make_shape(p.seqlen_q_rounded, p.nheads_q, p.batch);
-    auto row_stride = make_stride(_1{}, int64_t(p.seqlen_q_rounded), int64_t(p.seqlen_q_rounded) * p.nheads_q);
+    // Packed batches: one batch of all rows, coordinates offset per sequence (see the forward mainloop).
+    const bool packed = p.cu_seqlens_q != nullptr;
+    const int batch = packed ? 1 : p.batch;
+    ShapeT shape_q = make_shape(packed ? p.total_q : p.seqlen_q, p.head_dim, p.nheads_q, batch);
+    ShapeT shape_k = make_shape(packed ? p.total_k : p.seqlen_k, p.head_dim, p.nheads_kv, batch);
+    ShapeRow shape_row = make_shape(int(p.accum_head_stride), p.nheads_q, batch);
+    auto row_stride = make_stride(_1{}, p.accum_head_stride, p.accum_batch_stride);
     Tensor mQ = make_tensor(ptr(p.q), shape_q, make_stride(p.q_row_stride, _1{}, p.q_head_stride, p.q_batch_stride));
     Tensor mdO = make_tensor(ptr(p.dout), shape_q,
                              make_stride(p.dout_row_stride, _1{}, p.dout_head_stride, p.dout_batch_stride));
@@ -101,31 +121,51 @@ struct BwdKernelSm90 {
             p.dv_batch_stride,
             p.dv_row_stride,
             p.dv_head_stride,
+            p.accum_batch_stride,
+            p.accum_head_stride,
             p.seqlen_q,
             p.seqlen_k,
-            p.seqlen_q_rounded,
             p.nheads_q,
             p.nheads_q / p.nheads_kv,
-            p.softmax_scale_log2,
-            p.softmax_scale};
+            p.softcap > 0.f ? float(p.softcap * M_LOG2E) : p.softmax_scale_log2,
+            p.softmax_scale,
+            p.softcap > 0.f ? p.softmax_scale / p.softcap : 0.f,
+            p.window_left,
+            p.window_right,
+            p.cu_seqlens_q,
+            p.cu_seqlens_k,
+            p.seqused_q,
+            p.seqused_k};
+  }
+
+  // Where this CTA's sequence lives, its masks, and the first scratch row of (sequence, query head 0).
+  struct Seq {
+    SeqInfo info;
+    Mask bm;
+    int accum_offset;    // the sequence's first scratch row within its (batch, head) slice
+    int64_t accum_row0;  // the same row counted from the start of the scratch (+ head * accum_head_stride)
+  };
+  CUTE_DEVICE static Seq seq_of(Params const& params, int bidb) {
+    const SeqInfo info = make_seq_info(params.cu_seqlens_q, params.cu_seqlens_k, params.seqused_q,
+                                       params.seqused_k, bidb, params.seqlen_q, params.seqlen_k);
+    const int64_t offset = params.cu_seqlens_q ? padded_row_offset(params.cu_seqlens_q[bidb], bidb) : 0;
+    return {info, Mask(info.seqlen_q, info.seqlen_k, params.window_left, params.window_right), int(offset),
+            info.batch * params.accum_batch_stride + offset};
   }
 
   static dim3 grid(BwdParams const& p) {
     return dim3((p.seqlen_k + kBlockN - 1) / kBlockN, p.nheads_kv, p.batch);
   }
 
-  // Query blocks [m_min, m_max) that see at least one key of key block n_block.
-  CUTE_DEVICE static void m_block_range(Params const& params, int n_block, int& m_min, int& m_max) {
-    m_max = (params.seqlen_q + kBlockM - 1) / kBlockM;
-    m_min = 0;
-    if constexpr (kCausal) {
-      // Query i sees key j iff j <= i + seqlen_k - seqlen_q; the block's first key is n_block * kBlockN.
-      m_min = cute::max(0, (n_block * kBlockN - params.seqlen_k + params.seqlen_q) / kBlockM);
-    }
+  // Query blocks [m_min, m_max) that see at least one key of key block n_block (empty: m_max <= m_min).
+  CUTE_DEVICE static void m_block_range(Seq const& seq, int n_block, int& m_min, int& m_max) {
+    m_min = seq.bm.m_block_min(n_block);
+    m_max = seq.bm.m_block_max(n_block);
   }
 
   CUTE_DEVICE void load(Params const& params, typename Traits::PipelineQdO& pipeline, SharedStorage& smem,
-                        int n_block, int bidh_kv, int bidb) const {
+                        int n_block, int bidh_kv, Seq const& seq) const {
+    const SeqInfo& si = seq.info;
     Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutV{});
     Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
@@ -134,9 +174,13 @@ struct BwdKernelSm90 {
     Tensor sDpsum = make_tensor(make_smem_ptr(smem.dpsum.data()), typename Traits::SmemLayoutRow{});
 
     using BarrierT = cutlass::arch::ClusterTransactionBarrier::ValueType;
-    Tensor gK = local_tile(params.tma_k.get_tma_tensor(params.shape_k)(_, _, bidh_kv, bidb), TileK{},
+    auto rows_k = [&](auto const& t) { return domain_offset(make_coord(si.offset_k, _0{}), t); };
+    auto rows_q = [&](auto const& t) { return domain_offset(make_coord(si.offset_q, _0{}), t); };
+    // The TMA views are already sliced by (head, batch): only the sequence's own offset is added.
+    auto rows_acc = [&](auto const& t) { return domain_offset(make_coord(seq.accum_offset), t); };
+    Tensor gK = local_tile(rows_k(params.tma_k.get_tma_tensor(params.shape_k)(_, _, bidh_kv, si.batch)), TileK{},
                            make_coord(n_block, _0{}));
-    Tensor gV = local_tile(params.tma_v.get_tma_tensor(params.shape_k)(_, _, bidh_kv, bidb), TileK{},
+    Tensor gV = local_tile(rows_k(params.tma_v.get_tma_tensor(params.shape_k)(_, _, bidh_kv, si.batch)), TileK{},
                            make_coord(n_block, _0{}));
     auto tK = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
     auto tV = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
@@ -145,20 +189,20 @@ struct BwdKernelSm90 {
     copy(params.tma_v.with(reinterpret_cast<BarrierT&>(smem.barrier_kv)), get<0>(tV), get<1>(tV));
 
     int m_min, m_max;
-    m_block_range(params, n_block, m_min, m_max);
+    m_block_range(seq, n_block, m_min, m_max);
     auto state = cutlass::make_producer_start_state<typename Traits::PipelineQdO>();
     // Not unrolled: the producer warpgroup runs on 24 registers, and unrolled copies of this loop spill.
 #pragma unroll 1
     for (int i = 0; i < params.head_ratio; ++i) {
       const int bidh = bidh_kv * params.head_ratio + i;
-      Tensor gQ = local_tile(params.tma_q.get_tma_tensor(params.shape_q)(_, _, bidh, bidb), TileQ{},
+      Tensor gQ = local_tile(rows_q(params.tma_q.get_tma_tensor(params.shape_q)(_, _, bidh, si.batch)), TileQ{},
                              make_coord(_, _0{}));  // (M, D, m)
-      Tensor gdO = local_tile(params.tma_do.get_tma_tensor(params.shape_q)(_, _, bidh, bidb), TileQ{},
+      Tensor gdO = local_tile(rows_q(params.tma_do.get_tma_tensor(params.shape_q)(_, _, bidh, si.batch)), TileQ{},
                               make_coord(_, _0{}));
-      Tensor gLse = local_tile(params.tma_lse.get_tma_tensor(params.shape_row)(_, bidh, bidb), TileRow{},
-                               make_coord(_));  // (M, m)
-      Tensor gDpsum = local_tile(params.tma_dpsum.get_tma_tensor(params.shape_row)(_, bidh, bidb), TileRow{},
-                                 make_coord(_));
+      Tensor gLse = local_tile(rows_acc(params.tma_lse.get_tma_tensor(params.shape_row)(_, bidh, si.batch)),
+                               TileRow{}, make_coord(_));  // (M, m)
+      Tensor gDpsum = local_tile(rows_acc(params.tma_dpsum.get_tma_tensor(params.shape_row)(_, bidh, si.batch)),
+                                 TileRow{}, make_coord(_));
       auto tQ = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
       auto tdO = tma_partition(params.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
       auto tLse = tma_partition(params.tma_lse, _0{}, Layout<_1>{}, group_modes<0, 1>(sLse), group_modes<0, 1>(gLse));
@@ -182,12 +226,11 @@ struct BwdKernelSm90 {
   // lse_log2 = +inf (pre-pass), so they give 0 without a mask. lse_s points at this thread's first query
   // column; tScS0_rc (thread 0's coordinates) gives the other columns' offsets, which fold to immediates.
   template <class TS, class TC, class TC0>
-  CUTE_DEVICE static void probabilities(Params const& params, TS& tSrS_rc, TC const& tScS_rc, TC0 const& tScS0_rc,
-                                        const float* lse_s, int n_block, int m_block) {
-    const int seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k;
+  CUTE_DEVICE static void probabilities(Params const& params, Mask const& bm, TS& tSrS_rc, TC const& tScS_rc,
+                                        TC0 const& tScS0_rc, const float* lse_s, int n_block, int m_block) {
     const int key0 = n_block * kBlockN, query0 = m_block * kBlockM;
-    const bool need_mask =
-        key0 + kBlockN > seqlen_k || (kCausal && key0 + kBlockN - 1 > query0 + seqlen_k - seqlen_q);
+    const bool need_mask = bm.tile_needs_mask(m_block, n_block);
+    if (params.softcap_scale != 0.f) apply_softcap(tSrS_rc, params.softcap_scale);
 #pragma unroll
     for (int r = 0; r < size<0>(tSrS_rc); ++r) {
 #pragma unroll
@@ -204,15 +247,18 @@ struct BwdKernelSm90 {
 #pragma unroll
         for (int c = 0; c < size<1>(tSrS_rc); ++c) {
           const int query = query0 + get<1>(tScS_rc(r, c));
-          if (key >= seqlen_k || (kCausal && key > query + seqlen_k - seqlen_q)) tSrS_rc(r, c) = 0.f;
+          if (bm.masked(query, key)) tSrS_rc(r, c) = 0.f;
         }
       }
     }
   }
 
   // dS^T = P^T * (dP^T - D[q]), written over dP^T's registers (D columns read as in probabilities()).
+  // With softcap the score was cap * t, t = tanh(s * scale / cap), so dS picks up dt/ds ~ (1 - t^2); t is
+  // recovered from P itself (log2 P = t * scale_log2 - lse_log2) instead of living in more registers.
   template <class TdP, class TS, class TC0>
-  CUTE_DEVICE static void ds_from_dp(TdP& tSrdP_rc, TS const& tSrS_rc, TC0 const& tScS0_rc, const float* dpsum_s) {
+  CUTE_DEVICE static void ds_from_dp(Params const& params, TdP& tSrdP_rc, TS const& tSrS_rc, TC0 const& tScS0_rc,
+                                     const float* dpsum_s, const float* lse_s) {
 #pragma unroll
     for (int r = 0; r < size<0>(tSrdP_rc); ++r) {
 #pragma unroll
@@ -220,20 +266,30 @@ struct BwdKernelSm90 {
         tSrdP_rc(r, c) = tSrS_rc(r, c) * (tSrdP_rc(r, c) - dpsum_s[get<1>(tScS0_rc(r, c))]);
       }
     }
+    if (params.softcap_scale != 0.f) {
+      const float inv_scale_log2 = 1.f / params.scale_log2;
+#pragma unroll
+      for (int r = 0; r < size<0>(tSrdP_rc); ++r) {
+#pragma unroll
+        for (int c = 0; c < size<1>(tSrdP_rc); ++c) {
+          const float p = tSrS_rc(r, c);
+          const float t = (log2_approx(p) + lse_s[get<1>(tScS0_rc(r, c))]) * inv_scale_log2;
+          tSrdP_rc(r, c) = p > 0.f ? tSrdP_rc(r, c) * (1.f - t * t) : 0.f;
+        }
+      }
+    }
   }
 
   // Deterministic mode: the position of key block n_block among those that add into query block m_block.
   // Non-causal: increasing n. Causal: decreasing n, the order in which they reach m_block anyway (key block
   // n starts at the diagonal query block, two 64-row blocks below n - 1's), so none waits for a slower one.
-  CUTE_DEVICE static int turn(Params const& params, int n_block, int m_block) {
+  // Sliding windows: increasing n from the first key block that sees m_block. The key blocks that see
+  // m_block are exactly [n_block_min(m_block), n_block_max(m_block)) of the forward's geometry.
+  CUTE_DEVICE static int turn(Mask const& bm, int n_block, int m_block) {
     if constexpr (kCausal) {
-      // Key blocks that see query block m_block: the last row of the block (padding included) sees keys up to
-      // (m_block + 1) * kBlockM - 1 + seqlen_k - seqlen_q; this CTA is one of them, so that is >= 0.
-      const int last_key = (m_block + 1) * kBlockM - 1 + params.seqlen_k - params.seqlen_q;
-      const int n_max = cute::min((params.seqlen_k + kBlockN - 1) / kBlockN, last_key / kBlockN + 1);
-      return n_max - 1 - n_block;
+      return bm.n_block_max(m_block) - 1 - n_block;
     } else {
-      return n_block;
+      return n_block - bm.n_block_min(m_block);
     }
   }
 
@@ -241,22 +297,21 @@ struct BwdKernelSm90 {
   // shared memory, reduce-adds it into dq_accum with one bulk copy, and hands the buffer back once read.
   // Deterministic mode: key blocks of one (batch, head) add to a query block in a fixed order (turn()),
   // taking turns through a counter, so the fp32 sums are formed in the same order every run.
-  CUTE_DEVICE void store_dq(Params const& params, SharedStorage& smem, int n_block, int bidh_kv, int bidb) const {
+  CUTE_DEVICE void store_dq(Params const& params, SharedStorage& smem, int n_block, int bidh_kv, Seq const& seq) const {
     constexpr int kChunk = Traits::kdQChunk;
     const bool leader = cute::elect_one_sync();
     int m_min, m_max;
-    m_block_range(params, n_block, m_min, m_max);
-    const int num_m_blocks = params.seqlen_q_rounded / kBlockM;
+    m_block_range(seq, n_block, m_min, m_max);
 #pragma unroll 1  // 24 registers, as in load()
     for (int i = 0; i < params.head_ratio; ++i) {
-      const int64_t bh = int64_t(bidb) * params.nheads_q + bidh_kv * params.head_ratio + i;
-      float* dq_accum = params.dq_accum + bh * params.seqlen_q_rounded * kHeadDim;
-      int* semaphore = params.dq_semaphore ? params.dq_semaphore + bh * num_m_blocks : nullptr;
+      const int64_t row0 = seq.accum_row0 + (bidh_kv * params.head_ratio + i) * params.accum_head_stride;
+      float* dq_accum = params.dq_accum + row0 * kHeadDim;
+      int* semaphore = params.dq_semaphore ? params.dq_semaphore + row0 / kBlockM : nullptr;
 #pragma unroll 1
       for (int m_block = m_min; m_block < m_max; ++m_block) {
         const bool last = i == params.head_ratio - 1 && m_block == m_max - 1;
         if (semaphore != nullptr && leader) {
-          while (load_acquire_gpu(semaphore + m_block) != turn(params, n_block, m_block)) {
+          while (load_acquire_gpu(semaphore + m_block) != turn(seq.bm, n_block, m_block)) {
           }
           fence_proxy_async_global();
         }
@@ -288,7 +343,7 @@ struct BwdKernelSm90 {
 
   template <class FragKV>
   CUTE_DEVICE void mma(Params const& params, typename Traits::PipelineQdO& pipeline, SharedStorage& smem,
-                       FragKV& tdKrdK, FragKV& tdVrdV, int thread_idx, int n_block, int bidh_kv, int bidb) const {
+                       FragKV& tdKrdK, FragKV& tdVrdV, int thread_idx, int n_block, Seq const& seq) const {
     typename Traits::TiledMmaSdP mma_sdp;
     typename Traits::TiledMmadKV mma_dkv;
     typename Traits::TiledMmadQ mma_dq;
@@ -349,7 +404,7 @@ struct BwdKernelSm90 {
     clear(tdKrdK);
     clear(tdVrdV);
     int m_min, m_max;
-    m_block_range(params, n_block, m_min, m_max);
+    m_block_range(seq, n_block, m_min, m_max);
     // This warpgroup's dQ buffer starts empty: warp 0 stands in for the writer warp's first release (the
     // writer skips its last one, so every barrier phase started is completed).
     if (m_min < m_max && wg_thread < 32) named_barrier_arrive(128 + 32, int(BwdBarrier::kdQEmpty0) + warp_group);
@@ -369,10 +424,10 @@ struct BwdKernelSm90 {
 
         const float* lse_s = &sLse(query_thr, s);
         const float* dpsum_s = &sDpsum(query_thr, s);
-        probabilities(params, tSrS_rc, tScS_rc, tScS0_rc, lse_s, n_block, m_block);
+        probabilities(params, seq.bm, tSrS_rc, tScS_rc, tScS0_rc, lse_s, n_block, m_block);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tSrdP);
-        ds_from_dp(tSrdP_rc, tSrS_rc, tScS0_rc, dpsum_s);
+        ds_from_dp(params, tSrdP_rc, tSrS_rc, tScS0_rc, dpsum_s, lse_s);
         convert_fragment(tSrS, tPrP_acc);
         convert_fragment(tSrdP, tdSrdS_acc);
 
@@ -416,7 +471,7 @@ struct BwdKernelSm90 {
   template <class FragKV>
   CUTE_DEVICE void mma_wide(Params const& params, typename Traits::PipelineQdO& pipeline, SharedStorage& smem,
                             FragKV& tdKrdK, FragKV& tdVrdV, int thread_idx, int n_block, int bidh_kv,
-                            int bidb) const {
+                            Seq const& seq) const {
     typename Traits::TiledMmaSdP mma_sdp;
     typename Traits::TiledMmadKV mma_dkv;
     typename Traits::TiledMmadQ mma_dq;
@@ -471,16 +526,15 @@ struct BwdKernelSm90 {
     clear(tdKrdK);
     clear(tdVrdV);
     int m_min, m_max;
-    m_block_range(params, n_block, m_min, m_max);
-    const int num_m_blocks = params.seqlen_q_rounded / kBlockM;
+    m_block_range(seq, n_block, m_min, m_max);
     smem.barrier_kv.wait(0);
 
     typename Traits::PipelineState read;
 #pragma unroll 1
     for (int i = 0; i < params.head_ratio; ++i) {
-      const int64_t bh = int64_t(bidb) * params.nheads_q + bidh_kv * params.head_ratio + i;
-      float* dq_accum = params.dq_accum + bh * params.seqlen_q_rounded * kHeadDim + warp_group * Traits::kdQChunk;
-      int* semaphore = params.dq_semaphore ? params.dq_semaphore + bh * num_m_blocks : nullptr;
+      const int64_t row0 = seq.accum_row0 + (bidh_kv * params.head_ratio + i) * params.accum_head_stride;
+      float* dq_accum = params.dq_accum + row0 * kHeadDim + warp_group * Traits::kdQChunk;
+      int* semaphore = params.dq_semaphore ? params.dq_semaphore + row0 / kBlockM : nullptr;
 #pragma unroll 1
       for (int m_block = m_min; m_block < m_max; ++m_block) {
         const int s = read.index();
@@ -491,10 +545,10 @@ struct BwdKernelSm90 {
         warpgroup_fence_operand(tSrS);
         const float* lse_s = &sLse(query_thr, s);
         const float* dpsum_s = &sDpsum(query_thr, s);
-        probabilities(params, tSrS_rc, tScS_rc, tScS0_rc, lse_s, n_block, m_block);
+        probabilities(params, seq.bm, tSrS_rc, tScS_rc, tScS0_rc, lse_s, n_block, m_block);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tSrdP);
-        ds_from_dp(tSrdP_rc, tSrS_rc, tScS0_rc, dpsum_s);
+        ds_from_dp(params, tSrdP_rc, tSrS_rc, tScS0_rc, dpsum_s, lse_s);
         convert_fragment(tSrS, tPrP);
         convert_fragment(tSrdP, tdSrdS);
         // Buffer = step parity (the stage index): the other warpgroup passed this step's barrier only after
@@ -516,7 +570,7 @@ struct BwdKernelSm90 {
         // a barrier of both consumer warpgroups; release after every thread's reductions are visible).
         if (semaphore != nullptr) {
           if (thread_idx == 0) {
-            while (load_acquire_gpu(semaphore + m_block) != turn(params, n_block, m_block)) {
+            while (load_acquire_gpu(semaphore + m_block) != turn(seq.bm, n_block, m_block)) {
             }
           }
           named_barrier_sync(Traits::kNumMmaThreads, int(BwdBarrier::kdQFull0));
@@ -544,18 +598,19 @@ struct BwdKernelSm90 {
   // dK (scaled by softmax_scale: S = scale * Q K^T) and dV to global memory, rows past seqlen_k skipped.
   template <class FragKV>
   CUTE_DEVICE void store(Params const& params, FragKV const& tdKrdK, FragKV const& tdVrdV, int thread_idx,
-                         int n_block, int bidh_kv, int bidb) const {
+                         int n_block, int bidh_kv, Seq const& seq) const {
     typename Traits::TiledMmadKV mma_dkv;
     auto thr_dkv = mma_dkv.get_thread_slice(thread_idx);
     Tensor tdKVcdKV = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
     auto write = [&](FragKV const& acc, void* base, int64_t batch_stride, int64_t row_stride, int64_t head_stride,
                      float scale) {
-      Element* out = static_cast<Element*>(base) + bidb * batch_stride + bidh_kv * head_stride;
+      Element* out = static_cast<Element*>(base) + seq.info.batch * batch_stride + bidh_kv * head_stride +
+                     seq.info.offset_k * row_stride;
       // Consecutive accumulator elements 2i, 2i+1 hold adjacent columns of one row.
 #pragma unroll
       for (int e = 0; e < size(acc); e += 2) {
         const int row = n_block * kBlockN + get<0>(tdKVcdKV(e));
-        if (row < params.seqlen_k) {
+        if (row < seq.info.seqlen_k) {
           cutlass::Array<float, 2> f;
           f[0] = acc(e) * scale;
           f[1] = acc(e + 1) * scale;
@@ -587,12 +642,15 @@ struct BwdKernelSm90 {
     __syncthreads();
 
     const int n_block = blockIdx.x, bidh_kv = blockIdx.y, bidb = blockIdx.z;
+    const Seq seq = seq_of(params, bidb);
+    // Packed batches: the grid covers the longest sequence; blocks past this one's keys have nothing to do.
+    if (n_block * kBlockN >= seq.info.seqlen_k) return;
     if (warp_group == 0) {
       arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
       const int warp = warp_idx % 4;
-      if (warp == 0 && threadIdx.x == 0) load(params, pipeline, smem, n_block, bidh_kv, bidb);
+      if (warp == 0 && threadIdx.x == 0) load(params, pipeline, smem, n_block, bidh_kv, seq);
       if constexpr (!Traits::kWide) {
-        if (warp == 1) store_dq(params, smem, n_block, bidh_kv, bidb);
+        if (warp == 1) store_dq(params, smem, n_block, bidh_kv, seq);
       }
     } else {
       arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
@@ -601,11 +659,11 @@ struct BwdKernelSm90 {
       Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
       Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
       if constexpr (Traits::kWide) {
-        mma_wide(params, pipeline, smem, tdKrdK, tdVrdV, thread_idx, n_block, bidh_kv, bidb);
+        mma_wide(params, pipeline, smem, tdKrdK, tdVrdV, thread_idx, n_block, bidh_kv, seq);
       } else {
-        mma(params, pipeline, smem, tdKrdK, tdVrdV, thread_idx, n_block, bidh_kv, bidb);
+        mma(params, pipeline, smem, tdKrdK, tdVrdV, thread_idx, n_block, seq);
       }
-      store(params, tdKrdK, tdVrdV, thread_idx, n_block, bidh_kv, bidb);
+      store(params, tdKrdK, tdVrdV, thread_idx, n_block, bidh_kv, seq);
     }
   }
 };

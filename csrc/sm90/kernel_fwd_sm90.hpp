@@ -19,10 +19,10 @@ namespace flash4 {
 
 using namespace cute;
 
-template <class Traits_, bool kCausal>
+template <class Traits_, bool kCausal, bool kLocal>
 struct FwdKernelSm90 {
   using Traits = Traits_;
-  using Mainloop = MainloopFwdSm90<Traits, kCausal>;
+  using Mainloop = MainloopFwdSm90<Traits, kCausal, kLocal>;
   using Epilogue = EpilogueFwdSm90<Traits>;
   using SharedStorage = typename Traits::SharedStorage;
   static constexpr int kNumThreads = Traits::kNumThreads;
@@ -31,11 +31,11 @@ struct FwdKernelSm90 {
   struct Params {
     typename Mainloop::Params mainloop;
     typename Epilogue::Params epilogue;
-    float softmax_scale;
+    float lse_scale;  // turns the running max of the scores back into natural-log units
   };
 
   static Params to_params(FwdParams const& p) {
-    return {Mainloop::to_params(p), Epilogue::to_params(p), p.softmax_scale};
+    return {Mainloop::to_params(p), Epilogue::to_params(p), p.softcap > 0.f ? p.softcap : p.softmax_scale};
   }
 
   static dim3 grid(FwdParams const& p) {
@@ -71,14 +71,17 @@ struct FwdKernelSm90 {
     const int m_block = kCausal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
     const int bidh = blockIdx.y;
     const int bidb = blockIdx.z;
-    const int seqlen_q = params.mainloop.seqlen_q;
-    const int n_block_max =
-        flash4::n_block_max<Traits::kBlockM, Traits::kBlockN, kCausal>(m_block, seqlen_q, params.mainloop.seqlen_k);
+    const SeqInfo seq = Mainloop::seq_info(params.mainloop, bidb);
+    // Packed batches: the grid covers the longest sequence; tiles past this one's end have nothing to do.
+    if (m_block * Traits::kBlockM >= seq.seqlen_q) return;
+    const auto bm = Mainloop::block_mask(params.mainloop, seq);
+    const int n_block_min = bm.n_block_min(m_block), n_block_max = bm.n_block_max(m_block);
+    const bool any_key = n_block_max > n_block_min;
 
     if (warp_group == 0) {
       arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-      if (threadIdx.x == 0 && n_block_max > 0) {
-        mainloop.load(params.mainloop, pipeline_k, pipeline_v, smem, m_block, bidh, bidb, n_block_max);
+      if (threadIdx.x == 0 && any_key) {
+        mainloop.load(params.mainloop, pipeline_k, pipeline_v, smem, m_block, bidh, seq, n_block_min, n_block_max);
       }
     } else {
       arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
@@ -88,14 +91,14 @@ struct FwdKernelSm90 {
       constexpr int kRows = decltype(size<0, 1>(tOrO))::value * decltype(size<1>(tOrO))::value;
       OnlineSoftmax<kRows> softmax(params.mainloop.scale_log2);
       cute::array<float, kRows> lse;
-      if (n_block_max > 0) {
-        mainloop.mma(params.mainloop, pipeline_k, pipeline_v, smem, tOrO, softmax, lse, params.softmax_scale,
-                     thread_idx, m_block, n_block_max);
+      if (any_key) {
+        mainloop.mma(params.mainloop, pipeline_k, pipeline_v, smem, tOrO, softmax, lse, params.lse_scale,
+                     thread_idx, m_block, bm, n_block_min, n_block_max);
       } else {
         clear(tOrO);  // no key visible to any row of this tile: out = 0, lse = -inf
-        softmax.finalize(params.softmax_scale, lse);
+        softmax.finalize(params.lse_scale, lse);
       }
-      epilogue.store(params.epilogue, smem, tOrO, lse, thread_idx, m_block, bidh, bidb);
+      epilogue.store(params.epilogue, smem, tOrO, lse, thread_idx, m_block, bidh, seq);
     }
   }
 };

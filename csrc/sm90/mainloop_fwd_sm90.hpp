@@ -24,7 +24,7 @@ namespace flash4 {
 
 using namespace cute;
 
-template <class Traits, bool kCausal>
+template <class Traits, bool kCausal, bool kLocal>
 struct MainloopFwdSm90 {
   using Element = typename Traits::Element;
   static constexpr int kBlockM = Traits::kBlockM;
@@ -36,6 +36,7 @@ struct MainloopFwdSm90 {
   // For large head dims the O rescale is issued right after the Q K^T GEMM (hidden under it) rather than
   // after the softmax: O holds 128 registers there and the softmax tail is already long.
   static constexpr bool kRescaleBeforeGemm = kHeadDim > 128;
+  using Mask = BlockMask<kBlockM, kBlockN, kCausal, kLocal>;
 
   // Global tensors as (seqlen, head_dim, heads, batch); V is also viewed transposed as
   // (head_dim, seqlen, heads, batch) so its TMA box lands in the MN-major layout the PV GEMM reads.
@@ -57,16 +58,28 @@ struct MainloopFwdSm90 {
     TmaK tma_k;
     TmaV tma_v;
     ShapeT shape_q, shape_k, shape_vt;
-    int seqlen_q, seqlen_k;
-    int head_ratio;  // nheads_q / nheads_kv
+    int seqlen_q, seqlen_k;  // the longest sequence's, for packed batches
+    int head_ratio;          // nheads_q / nheads_kv
+    // Scores enter the softmax as exp2(s * scale_log2 - max); with softcap, s is tanh(s * softcap_scale)
+    // and scale_log2 = softcap * log2(e). softcap_scale = 0: no softcap.
     float scale_log2;
+    float softcap_scale;
+    int window_left, window_right;
+    const int* cu_seqlens_q;
+    const int* cu_seqlens_k;
+    const int* seqused_q;
+    const int* seqused_k;
   };
 
   static Params to_params(FwdParams const& p) {
     auto ptr = [](const void* x) { return make_gmem_ptr(static_cast<Element const*>(x)); };
-    ShapeT shape_q = make_shape(p.seqlen_q, p.head_dim, p.nheads_q, p.batch);
-    ShapeT shape_k = make_shape(p.seqlen_k, p.head_dim, p.nheads_kv, p.batch);
-    ShapeT shape_vt = make_shape(p.head_dim, p.seqlen_k, p.nheads_kv, p.batch);
+    // Packed batches: one batch of all rows; each CTA offsets its coordinates to its sequence's rows.
+    const bool packed = p.cu_seqlens_q != nullptr;
+    const int rows_q = packed ? p.total_q : p.seqlen_q, rows_k = packed ? p.total_k : p.seqlen_k;
+    const int batch = packed ? 1 : p.batch;
+    ShapeT shape_q = make_shape(rows_q, p.head_dim, p.nheads_q, batch);
+    ShapeT shape_k = make_shape(rows_k, p.head_dim, p.nheads_kv, batch);
+    ShapeT shape_vt = make_shape(p.head_dim, rows_k, p.nheads_kv, batch);
     Tensor mQ = make_tensor(ptr(p.q), shape_q, make_stride(p.q_row_stride, _1{}, p.q_head_stride, p.q_batch_stride));
     Tensor mK = make_tensor(ptr(p.k), shape_k, make_stride(p.k_row_stride, _1{}, p.k_head_stride, p.k_batch_stride));
     Tensor mVt =
@@ -80,7 +93,22 @@ struct MainloopFwdSm90 {
             p.seqlen_q,
             p.seqlen_k,
             p.nheads_q / p.nheads_kv,
-            p.softmax_scale_log2};
+            p.softcap > 0.f ? float(p.softcap * M_LOG2E) : p.softmax_scale_log2,
+            p.softcap > 0.f ? p.softmax_scale / p.softcap : 0.f,
+            p.window_left,
+            p.window_right,
+            p.cu_seqlens_q,
+            p.cu_seqlens_k,
+            p.seqused_q,
+            p.seqused_k};
+  }
+
+  CUTE_DEVICE static SeqInfo seq_info(Params const& params, int bidb) {
+    return make_seq_info(params.cu_seqlens_q, params.cu_seqlens_k, params.seqused_q, params.seqused_k, bidb,
+                         params.seqlen_q, params.seqlen_k);
+  }
+  CUTE_DEVICE static Mask block_mask(Params const& params, SeqInfo const& seq) {
+    return Mask(seq.seqlen_q, seq.seqlen_k, params.window_left, params.window_right);
   }
 
   CUTE_DEVICE static void prefetch_descriptors(Params const& params) {
@@ -94,14 +122,17 @@ struct MainloopFwdSm90 {
   template <class SharedStorage>
   CUTE_DEVICE void load(Params const& params, typename Traits::PipelineK& pipeline_k,
                         typename Traits::PipelineV& pipeline_v, SharedStorage& smem, int m_block, int bidh,
-                        int bidb, int n_block_max) const {
+                        SeqInfo const& seq, int n_block_min, int n_block_max) const {
     Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
     Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutVt{});
     const int bidh_kv = bidh / params.head_ratio;
-    Tensor mQ = params.tma_q.get_tma_tensor(params.shape_q)(_, _, bidh, bidb);
-    Tensor mK = params.tma_k.get_tma_tensor(params.shape_k)(_, _, bidh_kv, bidb);
-    Tensor mVt = params.tma_v.get_tma_tensor(params.shape_vt)(_, _, bidh_kv, bidb);
+    Tensor mQ = domain_offset(make_coord(seq.offset_q, _0{}),
+                              params.tma_q.get_tma_tensor(params.shape_q)(_, _, bidh, seq.batch));
+    Tensor mK = domain_offset(make_coord(seq.offset_k, _0{}),
+                              params.tma_k.get_tma_tensor(params.shape_k)(_, _, bidh_kv, seq.batch));
+    Tensor mVt = domain_offset(make_coord(_0{}, seq.offset_k),
+                               params.tma_v.get_tma_tensor(params.shape_vt)(_, _, bidh_kv, seq.batch));
     Tensor gQ = local_tile(mQ, TileQ{}, make_coord(m_block, _0{}));  // (M, D)
     Tensor gK = local_tile(mK, TileK{}, make_coord(_, _0{}));        // (N, D, n)
     Tensor gVt = local_tile(mVt, TileVt{}, make_coord(_0{}, _));     // (D, N, n)
@@ -131,22 +162,23 @@ struct MainloopFwdSm90 {
 
     int n_block = n_block_max - 1;
     load_k(n_block);
-    for (; n_block > 0; --n_block) {
+    for (; n_block > n_block_min; --n_block) {
       auto state_v = state;
       ++state;
       load_k(n_block - 1);
       load_v(n_block, state_v);
     }
-    load_v(0, state);
+    load_v(n_block_min, state);
   }
 
   // Consumer: runs the schedule above for this thread's warpgroup (64 query rows) and leaves the
   // normalized output in tOrO and the row LSEs in `lse`. thread_idx counts consumer threads (0..255).
-  // Requires n_block_max >= 1.
+  // Requires n_block_max > n_block_min.
   template <class SharedStorage, class FragO, class Softmax, class LSE>
   CUTE_DEVICE void mma(Params const& params, typename Traits::PipelineK& pipeline_k,
                        typename Traits::PipelineV& pipeline_v, SharedStorage& smem, FragO& tOrO, Softmax& softmax,
-                       LSE& lse, float softmax_scale, int thread_idx, int m_block, int n_block_max) const {
+                       LSE& lse, float lse_scale, int thread_idx, int m_block, Mask const& bm, int n_block_min,
+                       int n_block_max) const {
     typename Traits::TiledMmaQK tiled_mma_qk;
     typename Traits::TiledMmaPV tiled_mma_pv;
     auto thr_mma_qk = tiled_mma_qk.get_thread_slice(thread_idx);
@@ -176,8 +208,10 @@ struct MainloopFwdSm90 {
       if (thread_idx % 128 == 0) pipeline.consumer_release(state);
     };
     const int row0 = m_block * kBlockM;
-    auto mask = [&](int n_block) {
-      apply_mask<kCausal>(tSrS_rc, tScS_rc, row0, n_block * kBlockN, params.seqlen_q, params.seqlen_k);
+    auto mask = [&](int n_block) { apply_mask(tSrS_rc, tScS_rc, row0, n_block * kBlockN, bm); };
+    // A uniform branch: every thread of the CTA takes the same side.
+    auto softcap = [&] {
+      if (params.softcap_scale != 0.f) apply_softcap(tSrS, params.softcap_scale);
     };
 
     clear(tOrO);
@@ -193,6 +227,7 @@ struct MainloopFwdSm90 {
     pipeline_k.consumer_wait(read);
     warpgroup_gemm</*zero_init=*/true, /*wait=*/0>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
     release(pipeline_k, read);
+    softcap();
     mask(n_block);
     o_scale = softmax.template update</*first=*/true>(tSrS_rc);
     convert_fragment(tSrS, tOrP_acc);
@@ -210,6 +245,7 @@ struct MainloopFwdSm90 {
       warpgroup_wait<1>();  // batches retire in order: S is ready, P V may still run
       warpgroup_fence_operand(tSrS);
       release(pipeline_k, read);
+      softcap();
       if constexpr (decltype(masked)::value) mask(n);
       o_scale = softmax.template update</*first=*/false>(tSrS_rc);
       warpgroup_wait<0>();  // P V done: tOrP may be overwritten, V's stage released
@@ -219,18 +255,33 @@ struct MainloopFwdSm90 {
       if constexpr (!kRescaleBeforeGemm) softmax.rescale(tOrO_rc, o_scale);
     };
 
+    // Descending. Causal: the blocks crossing the diagonal (masked), then the rest without a mask. Windows:
+    // one loop whose (uniform) branch picks the masked or the mask-free copy of step(): each copy keeps a
+    // single call site, since a third one makes nvcc outline step() and the GEMM registers spill around it.
     --n_block;
-    if constexpr (kCausal) {
-      const int n_masked_min = n_block_min_causal_mask<kBlockM, kBlockN>(m_block, params.seqlen_q, params.seqlen_k);
-      for (; n_block >= 0 && n_block >= n_masked_min; --n_block) step(n_block, cute::true_type{});
+    if constexpr (kLocal) {
+      const int right_mask_min = bm.n_block_right_mask_min(m_block);
+      const int left_mask_max = bm.n_block_left_mask_max(m_block);
+      for (; n_block >= n_block_min; --n_block) {
+        if (n_block >= right_mask_min || n_block < left_mask_max) {
+          step(n_block, cute::true_type{});
+        } else {
+          step(n_block, cute::false_type{});
+        }
+      }
+    } else {
+      if constexpr (kCausal) {
+        const int n_masked_min = bm.n_block_right_mask_min(m_block);
+        for (; n_block >= 0 && n_block >= n_masked_min; --n_block) step(n_block, cute::true_type{});
+      }
+      for (; n_block >= 0; --n_block) step(n_block, cute::false_type{});
     }
-    for (; n_block >= 0; --n_block) step(n_block, cute::false_type{});
 
     // Tail: the last P V, with the row-sum reduction overlapped.
     if constexpr (kRescaleBeforeGemm) softmax.rescale(tOrO_rc, o_scale);
     pipeline_v.consumer_wait(read);
     warpgroup_gemm<false, -1>(tiled_mma_pv, tOrP, tOrV(_, _, _, read.index()), tOrO);
-    const auto inv_sum = softmax.finalize(softmax_scale, lse);
+    const auto inv_sum = softmax.finalize(lse_scale, lse);
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
     release(pipeline_v, read);

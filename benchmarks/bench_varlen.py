@@ -1,0 +1,150 @@
+"""Sliding-window and variable-length benchmarks of flash_attn4 (issue: varlen, windows, softcap).
+
+    python3 benchmarks/bench_varlen.py        # writes benchmarks/results/<gpu>_varlen.json
+
+Rows, bf16, hdim 128, 16 heads (nheads * hdim = 2048 as in bench_fwd.py):
+  * window: seqlen 32768, batch 1, causal full vs causal with a 4096-key left window, forward and backward
+    times and the speedup of the window;
+  * varlen: sequence lengths drawn uniformly from 64..8192 (seeded) up to 65536 tokens, packed into one
+    attn_varlen call, against an equal-length batch (seqlen 4096) of the same total tokens; TFLOP/s from
+    the FLOPs each call really does (sum over sequences of 4 * h * len^2 * d, halved when causal; backward
+    2.5x), causal and not.
+Times: do_bench medians (bench_fwd.bench_ms). Backward: autograd.grad on a graph recorded once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from bench_fwd import RESULTS, _import_flash_attn4, bench_ms, gpu_slug
+
+try:
+    from tqdm import tqdm
+except ImportError:  # progress bars are a nicety
+
+    def tqdm(x, **_):
+        return x
+
+
+H, D = 16, 128
+
+
+def _timed(fn, q, k, v, bwd: bool, warmup: int, rep: int) -> float:
+    if not bwd:
+        return bench_ms(lambda: fn(q, k, v), warmup, rep)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves)
+    dout = torch.randn_like(out)
+    return bench_ms(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True), warmup, rep)
+
+
+def window_rows(args) -> list[dict]:
+    import flash_attn4
+
+    s = args.window_seqlen
+    q, k, v = (torch.randn(1, s, H, D, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    rows = []
+    for bwd in (False, True):
+        full = _timed(
+            lambda a, b, c: flash_attn4.attn(a, b, c, causal=True), q, k, v, bwd, args.warmup, args.rep
+        )
+        win = _timed(
+            lambda a, b, c: flash_attn4.attn(a, b, c, causal=True, window_size=(args.window, 0)),
+            q, k, v, bwd, args.warmup, args.rep,
+        )  # fmt: skip
+        # The window kernel over (almost) the whole causal triangle: its per-block cost against the causal
+        # kernel's, which separates kernel efficiency from the per-tile overheads of short rows.
+        probe = _timed(
+            lambda a, b, c: flash_attn4.attn(a, b, c, causal=True, window_size=(s - 2, 0)),
+            q, k, v, bwd, args.warmup, args.rep,
+        )  # fmt: skip
+        rows.append({
+            "impl": "flash_attn4", "kind": "window", "direction": "bwd" if bwd else "fwd", "hdim": D,
+            "nheads": H, "seqlen": s, "causal": True, "window_left": args.window, "full_causal_ms": full,
+            "window_ms": win, "speedup": full / win, "window_kernel_full_causal_ms": probe,
+        })  # fmt: skip
+        print(f"window {'bwd' if bwd else 'fwd'}: causal {full:.3f} ms, window {args.window}: {win:.3f} ms, "
+              f"{full / win:.2f}x (window kernel, causal: {probe:.3f} ms)", flush=True)  # fmt: skip
+    return rows
+
+
+def _lengths(total: int, lo: int, hi: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    lens = []
+    while sum(lens) < total:
+        lens.append(rng.randint(lo, hi))
+    lens[-1] -= sum(lens) - total
+    if lens[-1] < lo:  # fold a short tail into the previous sequence
+        lens[-2] += lens.pop()
+    return lens
+
+
+def varlen_rows(args) -> list[dict]:
+    import flash_attn4
+
+    lens = _lengths(args.tokens, 64, 8192, args.seed)
+    total = sum(lens)
+    cu = F.pad(torch.tensor(lens, device="cuda").cumsum(0), (1, 0)).to(torch.int32)
+    q, k, v = (torch.randn(total, H, D, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    eq_len = args.equal_seqlen
+    qe, ke, ve = (t.view(total // eq_len, eq_len, H, D) for t in (q, k, v))
+    rows = []
+    combos = [(c, b) for c in (False, True) for b in (False, True)]
+    for causal, bwd in tqdm(combos, desc="varlen", unit="case"):
+        mult = (0.5 if causal else 1.0) * (2.5 if bwd else 1.0)
+        flops_var = mult * sum(4 * H * n * n * D for n in lens)
+        flops_eq = mult * (total // eq_len) * 4 * H * eq_len * eq_len * D
+
+        def var(a, b, c, causal=causal):
+            return flash_attn4.attn_varlen(a, b, c, cu, cu, max(lens), max(lens), causal=causal)
+
+        def eq(a, b, c, causal=causal):
+            return flash_attn4.attn(a, b, c, causal=causal)
+
+        t_var = _timed(var, q, k, v, bwd, args.warmup, args.rep)
+        t_eq = _timed(eq, qe, ke, ve, bwd, args.warmup, args.rep)
+        tf_var, tf_eq = flops_var / t_var * 1e-9, flops_eq / t_eq * 1e-9
+        key = "bwd_tflops" if bwd else "fwd_tflops"
+        rows.append({
+            "impl": "flash_attn4", "kind": "varlen", "direction": "bwd" if bwd else "fwd", "hdim": D,
+            "nheads": H, "causal": causal, "tokens": total, "num_seqs": len(lens), "min_len": min(lens),
+            "max_len": max(lens), "equal_seqlen": eq_len, "varlen_ms": t_var, "equal_ms": t_eq, key: tf_var,
+            "equal_" + key: tf_eq, "ratio": tf_var / tf_eq,
+        })  # fmt: skip
+        print(f"varlen {'bwd' if bwd else 'fwd'} causal={causal}: {tf_var:.0f} TFLOP/s vs equal-length "
+              f"{tf_eq:.0f} ({tf_var / tf_eq:.2f})", flush=True)  # fmt: skip
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--window-seqlen", type=int, default=32768)
+    ap.add_argument("--window", type=int, default=4096)
+    ap.add_argument("--tokens", type=int, default=65536)
+    ap.add_argument("--equal-seqlen", type=int, default=4096)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warmup", type=int, default=25)
+    ap.add_argument("--rep", type=int, default=100)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_varlen.py needs a CUDA device", file=sys.stderr)
+        return 1
+    _import_flash_attn4()
+    rows = window_rows(args) + varlen_rows(args)
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": "bf16"}
+    out = args.out or RESULTS / f"{gpu_slug(meta['gpu'])}_varlen.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps([{**r, **meta} for r in rows], indent=1) + "\n")
+    print(f"results: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
