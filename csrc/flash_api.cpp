@@ -225,7 +225,7 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
 }
 
 // Gradients of fwd: writes dq (like q), dk and dv (like k and v; summed over each GQA group's query heads).
-// Uses fp32 scratch allocated here (dq_accum, D, lse in log2 units), rows padded to a multiple of 128
+// Uses fp32 scratch allocated here (dq_accum zeroed, D, lse in log2 units), rows padded to a multiple of 128
 // (packed batches: each sequence from a multiple of 128, see flash4::padded_row_offset).
 // deterministic: key blocks add into dq in a fixed order (bitwise-reproducible dq; dk and dv always are).
 // dlse: gradient of lse (return_lse), or None for zero. Options as for fwd.
@@ -296,7 +296,8 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
                                       : seqlen_q_rounded;
   const int64_t slices = o.packed ? nheads_q : int64_t(o.batch) * nheads_q;
   auto f32 = q.options().dtype(at::kFloat);
-  at::Tensor dq_accum = at::empty({slices, accum_rows, head_dim}, f32);
+  // Zeroed by a fill kernel (full bandwidth); the main kernel adds every key block's dQ into it.
+  at::Tensor dq_accum = at::zeros({slices, accum_rows, head_dim}, f32);
   at::Tensor dpsum = at::empty({slices, accum_rows}, f32);
   at::Tensor lse_log2 = at::empty({slices, accum_rows}, f32);
   // One turn counter per 64-row query block (the kernel's kBlockM), zeroed: see BwdParams::dq_semaphore.

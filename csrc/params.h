@@ -100,7 +100,7 @@ struct BwdParams {
 
   // Scratch, contiguous, rows padded to seqlen_q_rounded (a multiple of the kernel's kBlockM); packed
   // batches use (nheads_q, accum_rows) with sequence b from padded_row_offset (accum_batch_stride 0):
-  //   dq_accum (batch, nheads_q, seqlen_q_rounded, head_dim) fp32, zeroed by the pre-pass. Within each
+  //   dq_accum (batch, nheads_q, seqlen_q_rounded, head_dim) fp32, zeroed before the pre-pass. Within each
   //            block of kBlockM rows the kernel may store elements in its own order (the sm90 kernel keeps
   //            its accumulator's register order so a whole block is one bulk reduce-add); the post-pass
   //            that matches the kernel undoes it;

@@ -1,5 +1,5 @@
-// The backward's pre-pass (arch-independent CUDA, one warp per query row of each sequence): D = rowsum(dout * out) - dlse, lse in
-// log2 units (+inf where exp must give 0), dq_accum zeroed. A memory-bound pass over (batch, heads,
+// The backward's pre-pass (arch-independent CUDA, a few lanes per query row of each sequence): D =
+// rowsum(dout * out) - dlse, lse in log2 units (+inf where exp must give 0). A memory-bound pass over (batch, heads,
 // seqlen_q, head_dim) with 16-byte loads. The post-pass depends on the order in which the main kernel
 // leaves dq_accum, so it lives beside that kernel (sm90/bwd_postprocess_sm90.hpp).
 #pragma once
@@ -16,11 +16,10 @@
 namespace flash4 {
 
 constexpr int kPrePostThreads = 128;
-constexpr int kPrePostRows = kPrePostThreads / 32;  // one warp per row
 
 // Where row `row` of sequence bidb / head bidh lives: in q-shaped tensors (offset_q + row) and in the
-// scratch (accum_row0 + row). False for rows past the padded end of the sequence (packed batches: the
-// grid covers the longest sequence), which the main kernel never reads.
+// scratch (accum_row0 + row). Rows past the padded end of the sequence (packed batches: the grid covers the
+// longest sequence) are never read by the main kernel.
 struct PrePostRow {
   SeqInfo seq;
   int64_t accum_row0;  // scratch row of the sequence's row 0 for this head
@@ -33,39 +32,47 @@ __device__ __forceinline__ PrePostRow prepost_row(const BwdParams& p, int bidh, 
   return {seq, seq.batch * p.accum_batch_stride + bidh * p.accum_head_stride + offset};
 }
 
-// Grid (seqlen_q_rounded / kPrePostRows, nheads_q, batch).
-template <class Element>
+// Threads per row: one 16-byte vector of out and dout each (a power of two, so the row sum is a butterfly).
+template <int kHeadDim>
+constexpr int kPreThreadsPerRow = kHeadDim / 8 <= 8 ? 8 : kHeadDim / 8 <= 16 ? 16 : 32;
+template <int kHeadDim>
+constexpr int kPreRowsPerCta = kPrePostThreads / kPreThreadsPerRow<kHeadDim>;
+
+// Grid (seqlen_q_rounded / kPreRowsPerCta, nheads_q, batch). dq_accum is zeroed separately (a fill kernel
+// runs at full bandwidth; this pass only reads out and dout and writes two floats per row).
+template <class Element, int kHeadDim>
 __global__ void __launch_bounds__(kPrePostThreads) bwd_preprocess_kernel(const BwdParams p) {
+  constexpr int kThreads = kPreThreadsPerRow<kHeadDim>;
   const int bidh = blockIdx.y, bidb = blockIdx.z;
-  const int row = blockIdx.x * kPrePostRows + threadIdx.x / 32;
+  const int row = blockIdx.x * kPreRowsPerCta<kHeadDim> + threadIdx.x / kThreads;
+  const int t = threadIdx.x % kThreads;
   const PrePostRow r = prepost_row(p, bidh, bidb);
   const int seqlen_q = r.seq.seqlen_q;
+  // Whole rows leave together, so the butterfly below only ever mixes lanes of live rows.
   if (row >= (seqlen_q + kAccumRowAlign - 1) / kAccumRowAlign * kAccumRowAlign) return;
-  const int lane = threadIdx.x % 32;
   const bool real_row = row < seqlen_q;
   const int64_t q_row = int64_t(r.seq.offset_q) + row;
   using Vec = cutlass::Array<Element, 8>;  // 16 bytes
   float d = 0.f;
-  if (real_row) {
+  if (real_row && t * 8 < kHeadDim) {
     const Element* o = static_cast<const Element*>(p.out) + r.seq.batch * p.out_batch_stride +
                        q_row * p.out_row_stride + bidh * p.out_head_stride;
     const Element* dout = static_cast<const Element*>(p.dout) + r.seq.batch * p.dout_batch_stride +
                           q_row * p.dout_row_stride + bidh * p.dout_head_stride;
-    for (int c = lane * 8; c < p.head_dim; c += 32 * 8) {
+#pragma unroll
+    for (int c = t * 8; c < kHeadDim; c += kThreads * 8) {
       const Vec ov = *reinterpret_cast<const Vec*>(o + c);
       const Vec dv = *reinterpret_cast<const Vec*>(dout + c);
 #pragma unroll
       for (int i = 0; i < 8; ++i) d += float(ov[i]) * float(dv[i]);
     }
   }
+  // The rows of a warp finish together (row ranges are multiples of a warp's rows), so all 32 lanes are here.
 #pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) d += __shfl_xor_sync(0xffffffffu, d, offset);
+  for (int offset = kThreads / 2; offset > 0; offset /= 2) d += __shfl_xor_sync(0xffffffffu, d, offset);
 
-  const int64_t i = r.accum_row0 + row;
-  float4* acc = reinterpret_cast<float4*>(p.dq_accum + i * p.head_dim);
-  for (int c = lane; c < p.head_dim / 4; c += 32) acc[c] = make_float4(0.f, 0.f, 0.f, 0.f);
-
-  if (lane == 0) {
+  if (t == 0) {
+    const int64_t i = r.accum_row0 + row;
     const int64_t lse_i = r.seq.batch * p.lse_batch_stride + bidh * p.lse_head_stride + q_row;
     p.dpsum[i] = real_row && p.dlse != nullptr ? d - p.dlse[lse_i] : d;
     const float lse = real_row ? p.lse[lse_i] : -INFINITY;
@@ -73,8 +80,9 @@ __global__ void __launch_bounds__(kPrePostThreads) bwd_preprocess_kernel(const B
   }
 }
 
+template <int kHeadDim>
 inline dim3 prepost_grid(const BwdParams& p) {
-  return dim3(unsigned(p.seqlen_q_rounded / kPrePostRows), unsigned(p.nheads_q), unsigned(p.batch));
+  return dim3(unsigned(p.seqlen_q_rounded / kPreRowsPerCta<kHeadDim>), unsigned(p.nheads_q), unsigned(p.batch));
 }
 
 }  // namespace flash4

@@ -23,7 +23,7 @@ void run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   if (p.seqlen_q_rounded % Traits::kBlockM != 0) {
     throw std::runtime_error("flash_attn4: seqlen_q_rounded must be a multiple of the backward's kBlockM");
   }
-  bwd_preprocess_kernel<Element><<<prepost_grid(p), kPrePostThreads, 0, stream>>>(p);
+  bwd_preprocess_kernel<Element, kHeadDim><<<prepost_grid<kHeadDim>(p), kPrePostThreads, 0, stream>>>(p);
   check_cuda(cudaGetLastError(), "backward pre-pass launch");
   launch_sm90<BwdKernelSm90<Traits, kCausal, kLocal>>(p, stream, "backward kernel launch");
   const dim3 post_grid(p.seqlen_q_rounded / Traits::kBlockM, p.nheads_q, p.batch);

@@ -15,7 +15,12 @@ void run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   // Windows mask on both sides: they take the causal tiles (smaller kBlockN, fewer registers for masks).
   constexpr FwdTileSm90 tile = fwd_tile_sm90(kHeadDim, kCausal || kLocal);
   using Traits = FwdTraitsSm90<CutlassElement<kDType>, kHeadDim, tile.block_m, tile.block_n, tile.stages>;
-  launch_sm90<FwdKernelSm90<Traits, kCausal, kLocal>>(p, stream, "forward kernel launch");
+  // Softcap is its own kernel (see MainloopFwdSm90), chosen here so the dispatch table stays per mask.
+  if (p.softcap > 0.f) {
+    launch_sm90<FwdKernelSm90<Traits, kCausal, kLocal, true>>(p, stream, "forward kernel launch (softcap)");
+  } else {
+    launch_sm90<FwdKernelSm90<Traits, kCausal, kLocal, false>>(p, stream, "forward kernel launch");
+  }
 }
 
 }  // namespace flash4

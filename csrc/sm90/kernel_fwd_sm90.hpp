@@ -19,10 +19,10 @@ namespace flash4 {
 
 using namespace cute;
 
-template <class Traits_, bool kCausal, bool kLocal>
+template <class Traits_, bool kCausal, bool kLocal, bool kSoftcap>
 struct FwdKernelSm90 {
   using Traits = Traits_;
-  using Mainloop = MainloopFwdSm90<Traits, kCausal, kLocal>;
+  using Mainloop = MainloopFwdSm90<Traits, kCausal, kLocal, kSoftcap>;
   using Epilogue = EpilogueFwdSm90<Traits>;
   using SharedStorage = typename Traits::SharedStorage;
   static constexpr int kNumThreads = Traits::kNumThreads;
