@@ -6,7 +6,7 @@
 PYTHON ?= python3
 BENCH_ARGS ?=
 
-.PHONY: install build test bench bench-quick gpu-check compile-check lint format clean
+.PHONY: install build test bench bench-varlen bench-quick gpu-check compile-check lint format clean
 
 install:  ## build against the torch you run (no build isolation: ABI) and install
 	$(PYTHON) -m pip install --no-build-isolation -v .
@@ -17,9 +17,13 @@ build:  ## compile flash_attn4/_C in place, for working from the source tree
 test:  ## the README's test command; GPU tests skip (with the reason) without a GPU and built kernels
 	$(PYTHON) -m pytest -q tests
 
-bench:  ## full ANCHORS grid, forward and backward -> benchmarks/results/<gpu>_{fwd,bwd}.json + .png
+bench:  ## full ANCHORS grid, forward and backward -> benchmarks/results/<gpu>_{fwd,bwd}.json + .png; then windows/varlen
 	$(PYTHON) benchmarks/bench_fwd.py $(BENCH_ARGS)
 	$(PYTHON) benchmarks/bench_fwd.py --bwd $(BENCH_ARGS)
+	$(PYTHON) benchmarks/bench_varlen.py
+
+bench-varlen:  ## window 4096 at 32k vs causal, varlen 64..8192 vs equal length -> benchmarks/results/<gpu>_varlen.json
+	$(PYTHON) benchmarks/bench_varlen.py
 
 bench-quick:  ## hdim 64/128/256 x seqlen 4096/8192 x causal both, forward and backward
 	$(PYTHON) benchmarks/bench_fwd.py --quick $(BENCH_ARGS)

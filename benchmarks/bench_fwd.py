@@ -104,6 +104,15 @@ def _import_flash_attn4() -> None:
     print(f"flash_attn4 from {sys.modules['flash_attn4'].__file__}", file=sys.stderr)
 
 
+def _kernel_path() -> str:
+    """Which flash_attn4 kernel family serves this GPU ("sm90", "sm80" when FLASH_ATTN4_FORCE_SM80=1 or on
+    Ampere, else "reference"), recorded with each of its rows."""
+    from flash_attn4 import _build_info
+
+    arch, _ = _build_info.kernel_arch(torch.device("cuda"))
+    return f"sm{arch}" if arch else "reference"
+
+
 def make_impl(name: str, q, k, v, causal: bool, bwd: bool = False, deterministic: bool = False):
     """(fn, context manager to hold while timing) for one impl; raises when it cannot run.
 
@@ -197,6 +206,8 @@ def run(args: argparse.Namespace) -> list[dict]:
             rec.update(nheads=nheads, **meta)
             if impl == "flash_attn4" and args.deterministic:
                 rec["deterministic"] = True
+            if impl == "flash_attn4":
+                rec["kernel_path"] = _kernel_path()
             fn = None
             try:
                 fn, ctx = make_impl(impl, q, k, v, causal, args.bwd, args.deterministic)

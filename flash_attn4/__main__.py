@@ -75,6 +75,10 @@ def explain_path(shape: tuple[int, ...], dtype: torch.dtype, causal: bool) -> No
         else:
             pad = f" (head dim zero-padded to {bwd_padded})" if bwd_padded != d else ""
             print(f"backward: the sm90 CUDA kernel on {device}{pad}")
+        if _build_info.features_available(device):
+            print("sliding windows, softcap, attn_varlen: on the same kernels")
+        else:
+            print(f"sliding windows, softcap, attn_varlen: the PyTorch reference ({_ops._NO_FEATURES})")
     else:
         print(f"forward and backward: the PyTorch reference on {device}, because {why}")
 
