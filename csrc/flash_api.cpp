@@ -97,10 +97,11 @@ Options make_options(const at::Tensor& q, const at::Tensor& k, bool causal, int6
     TORCH_CHECK(o.batch >= 1 && o.batch <= 65535, "flash_attn4: cu_seqlens must hold 2..65536 offsets");
     o.cu_q = check_index(cu_q, o.batch + 1, q, "cu_seqlens_q");
     o.cu_k = check_index(cu_k, o.batch + 1, q, "cu_seqlens_k");
-    o.seqlen_q = int(max_seqlen_q), o.seqlen_k = int(max_seqlen_k);
+    // No sequence is longer than the packed tensor, so a generous bound is cut there (it sizes the grid).
+    TORCH_CHECK(max_seqlen_q >= 1 && max_seqlen_k >= 1, "flash_attn4: max_seqlen_q/k must be >= 1");
+    o.seqlen_q = int(std::min<int64_t>(max_seqlen_q, q.size(0)));
+    o.seqlen_k = int(std::min<int64_t>(max_seqlen_k, k.size(0)));
     o.total_q = int(q.size(0)), o.total_k = int(k.size(0));
-    TORCH_CHECK(max_seqlen_q >= 1 && max_seqlen_k >= 1 && max_seqlen_q <= q.size(0) && max_seqlen_k <= k.size(0),
-                "flash_attn4: max_seqlen_q/k must be >= 1 and at most the packed row counts");
   } else {
     TORCH_CHECK(q.dim() == 4 && k.dim() == 4, "flash_attn4: q, k, v must be 4-D (batch, seqlen, heads, head_dim)");
     TORCH_CHECK(!used_q.has_value() && !used_k.has_value(), "flash_attn4: seqused_q/k need cu_seqlens");

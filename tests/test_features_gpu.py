@@ -213,3 +213,46 @@ def test_varlen_cuda_graph_replays_with_new_offsets():
         graph.replay()
         want = attention_varlen_ref(q.float(), k.float(), v.float(), cu, cu, causal=True)[0]
         torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["batched", "packed"])
+def test_deterministic_window_gradients_are_bitwise_stable(packed):
+    """deterministic=True with a two-sided window: key blocks take turns per query block starting from the
+    first block that sees it (a wrong turn order would hang or change bits)."""
+    dtype, d = DTYPES[0], HDIMS[0]
+    torch.manual_seed(3)
+    kw = {"window_size": (100, 7), "deterministic": True}
+    if packed:
+        lens = [700, 33, 1000]
+        cu = _cu(lens)
+        q = torch.randn(sum(lens), 6, d, dtype=dtype, device=DEVICE)
+        k, v = (torch.randn(sum(lens), 2, d, dtype=dtype, device=DEVICE) for _ in range(2))
+
+        def fn(a, b, c):
+            return attn_varlen(a, b, c, cu, cu, max(lens), max(lens), **kw)
+    else:
+        q = torch.randn(2, 1000, 6, d, dtype=dtype, device=DEVICE)
+        k, v = (torch.randn(2, 900, 2, d, dtype=dtype, device=DEVICE) for _ in range(2))
+
+        def fn(a, b, c):
+            return attn(a, b, c, **kw)
+
+    dout = torch.randn_like(q)
+    first = _grads(fn, (q, k, v), dout)[1]
+    for _ in range(5):
+        assert all(torch.equal(a, b) for a, b in zip(first, _grads(fn, (q, k, v), dout)[1]))
+    if not packed:
+        truth = attention_bwd_ref(dout.float(), q.float(), k.float(), v.float(), window_size=(100, 7))
+        for g, t in zip(first, truth):
+            torch.testing.assert_close(g.float(), t, atol=3e-2, rtol=0)
+
+
+def test_varlen_accepts_a_generous_max_seqlen():
+    """FlashAttention callers often pass a bound larger than any sequence (even than the whole batch)."""
+    dtype, d = DTYPES[0], HDIMS[0]
+    lens = [5, 300]
+    cu = _cu(lens)
+    q, k, v = (torch.randn(sum(lens), 2, d, dtype=dtype, device=DEVICE) for _ in range(3))
+    out = attn_varlen(q, k, v, cu, cu, 4096, 4096, causal=True)
+    want = attention_varlen_ref(q.float(), k.float(), v.float(), cu, cu, causal=True)[0]
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=0)
