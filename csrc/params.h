@@ -10,7 +10,27 @@ namespace flash4 {
 
 enum class DType : int { kFP16 = 0, kBF16 = 1 };
 
-struct FwdParams {
+// What forward and backward share beyond the tensors: packed-batch geometry, sliding window, softcap.
+struct SeqMaskParams {
+  // Packed (varlen) batches, else all null: sequence b owns rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of
+  // q/out and [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k/v, which are then (total, heads, head_dim) with
+  // batch strides 0; seqlen_q/seqlen_k are the longest lengths (they size the grid), total_q/total_k the
+  // packed row counts. seqused_q/seqused_k (batch), optional, shorten each sequence to its first rows.
+  const int* cu_seqlens_q = nullptr;
+  const int* cu_seqlens_k = nullptr;
+  const int* seqused_q = nullptr;
+  const int* seqused_k = nullptr;
+  int total_q = 0, total_k = 0;
+
+  // Sliding window, read by the kLocal kernels only: query i sees keys
+  // [i + seqlen_k - seqlen_q - window_left, i + seqlen_k - seqlen_q + window_right]; the binding passes an
+  // unbounded side as a value larger than any length. softcap > 0: scores s become softcap * tanh(s / softcap).
+  bool local = false;
+  int window_left = 0, window_right = 0;
+  float softcap = 0.f;
+};
+
+struct FwdParams : SeqMaskParams {
   // q: (batch, seqlen_q, nheads_q, head_dim); k, v: (batch, seqlen_k, nheads_kv, head_dim).
   // The last dim is contiguous; batch/row/head strides are arbitrary multiples of 8 elements
   // (16 bytes: the TMA alignment rule), checked by the binding.
@@ -44,32 +64,17 @@ struct FwdParams {
   bool causal = false;
 
   DType dtype = DType::kBF16;
-
-  // Packed (varlen) batches, else all null: sequence b owns rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of
-  // q/out and [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k/v, which are then (total, heads, head_dim) with
-  // batch strides 0; seqlen_q/seqlen_k are the longest lengths (they size the grid), total_q/total_k the
-  // packed row counts. seqused_q/seqused_k (batch), optional, shorten each sequence to its first rows.
-  const int* cu_seqlens_q = nullptr;
-  const int* cu_seqlens_k = nullptr;
-  const int* seqused_q = nullptr;
-  const int* seqused_k = nullptr;
-  int total_q = 0, total_k = 0;
-
-  // Sliding window, read by the kLocal kernels only: query i sees keys
-  // [i + seqlen_k - seqlen_q - window_left, i + seqlen_k - seqlen_q + window_right]; the binding passes an
-  // unbounded side as a value larger than any length. softcap > 0: scores s become softcap * tanh(s / softcap).
-  bool local = false;
-  int window_left = 0, window_right = 0;
-  float softcap = 0.f;
 };
 
 // Packed batches keep their fp32 backward scratch in rows that start each sequence on a multiple of
 // kAccumRowAlign (so a query block never straddles two sequences): sequence b starts at row
 // padded_row_offset(cu_seqlens_q[b], b), and (total_q + batch * kAccumRowAlign) rows cover them all.
 constexpr int kAccumRowAlign = 128;
-inline constexpr int padded_row_offset(int cu_q, int b) { return (cu_q + b * kAccumRowAlign) / kAccumRowAlign * kAccumRowAlign; }
+inline constexpr int padded_row_offset(int cu_q, int b) {
+  return (cu_q + b * kAccumRowAlign) / kAccumRowAlign * kAccumRowAlign;
+}
 
-struct BwdParams {
+struct BwdParams : SeqMaskParams {
   // Inputs, same conventions as FwdParams: (batch, seqlen, heads, head_dim), last dim contiguous, other
   // strides multiples of 8 elements. dout and out are shaped like q.
   const void* q = nullptr;
@@ -124,23 +129,6 @@ struct BwdParams {
   float softmax_scale_log2 = 0.f;
   bool causal = false;
   DType dtype = DType::kBF16;
-
-  // Packed (varlen) batches, else all null: sequence b owns rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of
-  // q/out and [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k/v, which are then (total, heads, head_dim) with
-  // batch strides 0; seqlen_q/seqlen_k are the longest lengths (they size the grid), total_q/total_k the
-  // packed row counts. seqused_q/seqused_k (batch), optional, shorten each sequence to its first rows.
-  const int* cu_seqlens_q = nullptr;
-  const int* cu_seqlens_k = nullptr;
-  const int* seqused_q = nullptr;
-  const int* seqused_k = nullptr;
-  int total_q = 0, total_k = 0;
-
-  // Sliding window, read by the kLocal kernels only: query i sees keys
-  // [i + seqlen_k - seqlen_q - window_left, i + seqlen_k - seqlen_q + window_right]; the binding passes an
-  // unbounded side as a value larger than any length. softcap > 0: scores s become softcap * tanh(s / softcap).
-  bool local = false;
-  int window_left = 0, window_right = 0;
-  float softcap = 0.f;
 };
 
 }  // namespace flash4

@@ -16,6 +16,7 @@
 #include "../common/block_info.hpp"
 #include "../common/mask.hpp"     // tanh_approx
 #include "../common/softmax.hpp"  // exp2_approx
+#include "../common/sync.hpp"
 #include "../params.h"
 #include "kernel_traits_bwd_sm90.hpp"
 #include "utils_sm90.hpp"
@@ -641,7 +642,13 @@ struct BwdKernelSm90 {
     typename Traits::PipelineQdO pipeline(smem.pipeline_qdo, pipe_params, Shape<_1, _1, _1>{});
     __syncthreads();
 
-    const int n_block = blockIdx.x, bidh_kv = blockIdx.y, bidb = blockIdx.z;
+    // Deterministic causal dQ goes from the last key block down (turn()), so key block n waits for n + 1.
+    // Launching the key blocks in that order means every CTA waits only for CTAs launched before it; in
+    // ascending order a sequence with more key blocks than resident CTAs would have every resident CTA
+    // waiting for one that cannot start (a hang). Otherwise ascending: the heavy causal blocks go first.
+    const bool reversed = kCausal && params.dq_semaphore != nullptr;
+    const int n_block = reversed ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+    const int bidh_kv = blockIdx.y, bidb = blockIdx.z;
     const Seq seq = seq_of(params, bidb);
     // Packed batches: the grid covers the longest sequence; blocks past this one's keys have nothing to do.
     if (n_block * kBlockN >= seq.info.seqlen_k) return;

@@ -114,16 +114,8 @@ CUTE_DEVICE void bulk_wait_group_read() {
 // Until every group has completed, global writes included.
 CUTE_DEVICE void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
-// gpu-scope acquire load / release increment of a counter that orders work between CTAs. The proxy fences
-// order those generic-proxy accesses with the async-proxy (bulk copy) writes they guard.
-CUTE_DEVICE int load_acquire_gpu(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-CUTE_DEVICE void release_increment_gpu(int* p) {
-  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(p) : "memory");
-}
+// Orders the generic-proxy counter accesses (common/sync.hpp) with the async-proxy (bulk copy) writes they
+// guard.
 CUTE_DEVICE void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 
 }  // namespace flash4
