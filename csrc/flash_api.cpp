@@ -48,7 +48,7 @@ int device_arch(const at::Tensor& t) {
   return prop->major * 10 + prop->minor;
 }
 
-// Forward kernel family for a device (flash_attn4/_build_info.py kernel_arch decides the same): the sm_90a
+// Kernel family for a device, forward and backward (flash_attn4/_build_info.py kernel_arch decides the same): the sm_90a
 // kernels on compute capability 9.0 (arch-specific target, not forward compatible), the sm80 path on 8.x and
 // on 9.x with FLASH_ATTN4_FORCE_SM80=1; 0 = none.
 int fwd_kernel_arch(int arch) {
@@ -282,8 +282,11 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
 
   const DType kdtype = dtype == at::kBFloat16 ? DType::kBF16 : DType::kFP16;
   const int arch = device_arch(q);
+  const int kernel_arch = fwd_kernel_arch(arch);  // the backward follows the forward's kernel family
+  TORCH_CHECK(kernel_arch == 90 || (!o.packed && o.softcap == 0.f),
+              "flash_attn4: packed batches and softcap need the sm90 kernels (Hopper)");
   const flash4::BwdKernelEntry* entry =
-      flash4::find_bwd_kernel(arch == 90 ? 90 : 0, kdtype, int(head_dim), o.causal, o.local);
+      flash4::find_bwd_kernel(kernel_arch, kdtype, int(head_dim), o.causal, o.local);
   TORCH_CHECK(entry != nullptr, "flash_attn4: no compiled backward kernel for sm_" + str(arch) + ", " +
                                     (kdtype == DType::kBF16 ? "bf16" : "fp16") + ", head_dim " + str(head_dim) +
                                     ", " + mask_name(o));

@@ -12,12 +12,13 @@ import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
-ARCHS = (90,)  # the default build; 80 (the Ampere path: forward only so far) is opt-in, FLASH_ATTN4_ARCHS
+ARCHS = (90,)  # the default build; 80 (the Ampere path) is opt-in, FLASH_ATTN4_ARCHS
 SUPPORTED_ARCHS = (80, 90)
-BWD_ARCHS = (90,)
+BWD_ARCHS = (90, 80)
 DTYPES = ("bf16", "fp16")
 HDIMS = (64, 96, 128, 192, 256)
 BWD_HDIMS = (64, 96, 128, 192, 256)
+BWD_HDIMS_SM80 = (64, 96, 128)  # the sm80 backward keeps dK and dV of 128 keys in registers: head dim <= 128
 # (causal, local) mask variants: none, causal, sliding window (which also serves causal + left window).
 # The sm80 path has no window kernel yet.
 MASKS = ((False, False), (True, False), (False, True))
@@ -74,7 +75,11 @@ def kernels(archs=ARCHS, dtypes=DTYPES, hdims=HDIMS) -> list[Kernel]:
         if not lo or a in LOCAL_ARCHS
     ]
     fwd = [Kernel("fwd", *x) for x in combos]
-    bwd = [Kernel("bwd", *x) for x in combos if x[2] in BWD_HDIMS and x[0] in BWD_ARCHS]
+    bwd = [
+        Kernel("bwd", *x)
+        for x in combos
+        if x[0] in BWD_ARCHS and x[2] in (BWD_HDIMS_SM80 if x[0] == 80 else BWD_HDIMS)
+    ]
     return fwd + bwd
 
 

@@ -65,16 +65,12 @@ def explain_path(shape: tuple[int, ...], dtype: torch.dtype, causal: bool) -> No
         print(f"forward: the sm{arch} CUDA kernel on {device}{pad}")
         bwd_padded = _build_info.backward_padded_hdim(dtype, d, device)
         if bwd_padded is None:
-            bwd_hdims = _build_info.backward_hdims(_build_info.dtype_name(dtype))
-            why = (
-                f"the sm{arch} path has no backward kernel yet"
-                if arch != 90
-                else (f"no backward kernel for head dim {d}; built: {bwd_hdims}")
-            )
+            bwd_hdims = _build_info.backward_hdims(_build_info.dtype_name(dtype), arch)
+            why = f"no sm{arch} backward kernel for head dim {d}; built: {bwd_hdims}"
             print(f"backward: the PyTorch reference ({why})")
         else:
             pad = f" (head dim zero-padded to {bwd_padded})" if bwd_padded != d else ""
-            print(f"backward: the sm90 CUDA kernel on {device}{pad}")
+            print(f"backward: the sm{arch} CUDA kernel on {device}{pad}")
         if _build_info.features_available(device):
             print("sliding windows, softcap, attn_varlen: on the same kernels")
         else:

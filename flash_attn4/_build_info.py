@@ -145,27 +145,26 @@ def features_available(device: torch.device) -> bool:
 
 
 @functools.cache
-def backward_hdims(dtype_key: str) -> tuple[int, ...]:
-    """Head dims with a compiled backward kernel for dtype 'bf16'/'fp16' (from the extension's list)."""
+def backward_hdims(dtype_key: str, arch: int = 90) -> tuple[int, ...]:
+    """Head dims with a compiled backward kernel of kernel family `arch` for dtype 'bf16'/'fp16' (from the
+    extension's list)."""
     ext, _ = load_extension()
     if ext is None:
         return ()
-    prefix = f"bwd_sm90_{dtype_key}_hdim"
+    prefix = f"bwd_sm{arch}_{dtype_key}_hdim"
     names = [n for n in ext.compiled_kernels() if n.startswith(prefix)]
     return tuple(sorted({int(n[len(prefix) :].split("_")[0]) for n in names}))
 
 
 def backward_padded_hdim(dtype: torch.dtype, hdim: int, device: torch.device | None = None) -> int | None:
     """Smallest head dim >= `hdim` with a compiled backward kernel (zero padding as for the forward), or
-    None; with `device`, also None when that device's kernel family has no backward (the sm80 path, so
-    far)."""
-    if (
-        device is not None
-        and torch.device(device).type == "cuda"
-        and kernel_arch(torch.device(device))[0] != 90
-    ):
-        return None
+    None; with a CUDA `device`, of the kernel family that serves it (the sm80 path has head dims <= 128)."""
+    arch = 90
+    if device is not None and torch.device(device).type == "cuda":
+        arch = kernel_arch(torch.device(device))[0]
+        if arch is None:
+            return None
     name = dtype_name(dtype)
     if name is None or hdim <= 0 or hdim % 8 != 0:
         return None
-    return next((h for h in backward_hdims(name) if h >= hdim), None)
+    return next((h for h in backward_hdims(name, arch) if h >= hdim), None)

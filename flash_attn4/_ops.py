@@ -341,9 +341,11 @@ def bwd(
                 softcap=softcap,
             )
             return dq, dk, dv
+        arch = _build_info.kernel_arch(q.device)[0] if q.is_cuda else 90
         _warn_once(
-            f"head dim {q.shape[-1]} has a forward kernel but no backward kernel yet (backward head dims: "
-            f"{_build_info.backward_hdims(_build_info.dtype_name(q.dtype))}); the gradient is computed there"
+            f"head dim {q.shape[-1]} has a forward kernel but no sm{arch} backward kernel yet (backward head "
+            f"dims: {_build_info.backward_hdims(_build_info.dtype_name(q.dtype), arch)}); the gradient is "
+            "computed there"
         )
     elif why and q.is_cuda:
         _warn_once(why)

@@ -393,7 +393,7 @@ def test_kernel_path_backward_falls_back_without_bwd_kernel(fake_ext, monkeypatc
     monkeypatch.setattr(_build_info, "HDIMS", (64, 96, 128, 256))  # forward up to 256, backward up to 128
     q, k, v = _qkv(sq=5, sk=7, d=192, dtype=torch.bfloat16, requires_grad=True)
     out = attn(q, k, v)
-    with pytest.warns(_ops.ReferenceFallbackWarning, match="no backward kernel"):
+    with pytest.warns(_ops.ReferenceFallbackWarning, match="no sm90 backward kernel"):
         dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
     assert not any(c.get("bwd") for c in fake_ext.calls)
     ref = attention_bwd_ref(torch.ones_like(out), q.detach(), k.detach(), v.detach())

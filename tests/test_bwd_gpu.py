@@ -23,8 +23,18 @@ from flash_attn4 import _build_info, attn
 from flash_attn4.reference import attention_bwd_ref, attention_ref
 
 DEVICE = torch.device("cuda")
+
+
 # Head dims with a compiled backward (read from the extension), or the usual ones for the skip message.
-BWD_HDIMS = list(_build_info.backward_hdims("bf16") or _build_info.backward_hdims("fp16")) or [64, 96, 128]
+def _bwd_hdims() -> list[int]:
+    """Backward head dims of the kernel family this GPU takes (sm80 with FLASH_ATTN4_FORCE_SM80=1)."""
+    arch = 90
+    if torch.cuda.is_available() and _build_info.is_built():
+        arch = _build_info.kernel_arch(DEVICE)[0] or 90
+    return list(_build_info.backward_hdims("bf16", arch) or _build_info.backward_hdims("fp16", arch))
+
+
+BWD_HDIMS = _bwd_hdims() or [64, 96, 128]
 ONE_HDIM = 128 if 128 in BWD_HDIMS else BWD_HDIMS[-1]  # for the tests that run one head dim
 DTYPES = [{"bf16": torch.bfloat16, "fp16": torch.float16}[n] for n in _build_info.DTYPES] or [
     torch.bfloat16,
@@ -205,3 +215,17 @@ def test_cuda_graph_capture_of_forward_and_backward():
         eager = step()
         for name, a, b in zip(("out", "dq", "dk", "dv"), captured, eager):
             torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("hdim", sorted({BWD_HDIMS[0], BWD_HDIMS[-1]}))
+def test_deterministic_causal_long_sequence_finishes(hdim):
+    """More key blocks per (batch, head) than CTAs that fit on the GPU at once: with deterministic=True the
+    causal dQ order (last key block first) must not leave resident CTAs waiting for unlaunched ones."""
+    dtype = DTYPES[0]
+    s = 20480  # 160 key blocks of 128 (320 of 64): more than the 132 SMs hold
+    q, k, v = (torch.randn(1, s, 1, hdim, dtype=dtype, device=DEVICE) for _ in range(3))
+    dout = torch.randn_like(q)
+    first = _kernel_grads(q, k, v, dout, True, hdim**-0.5, deterministic=True)
+    torch.cuda.synchronize()
+    second = _kernel_grads(q, k, v, dout, True, hdim**-0.5, deterministic=True)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))

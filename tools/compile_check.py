@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Compiles one sm_90a forward, one sm_90a backward and one sm_80 forward instantiation with nvcc (no GPU
-needed) and reports registers and spills.
+"""Compiles one sm_90a forward, one sm_90a backward, one sm_80 forward and one sm_80 backward instantiation
+with nvcc (no GPU needed) and reports registers and spills.
 
 CI runs this so that a kernel that no longer compiles fails CI even on a machine without a GPU.
 Exit status is non-zero on a compile error or on local-memory spills in a main (fwd/bwd) kernel beyond
@@ -23,9 +23,11 @@ sys.path.insert(0, str(ROOT / "csrc"))
 import build_flags  # noqa: E402
 import generate_kernels  # noqa: E402
 
-# Bytes of spill stores tolerated in a main kernel. The backward keeps 12 bytes (two values of the per-head
-# loop, outside the per-query-block loop: see docs/perf_notes.md); anything more is a regression.
-SPILL_BUDGET = {"fwd": 0, "bwd": 16}
+# Bytes of spill stores tolerated in a main kernel, per (direction, arch); anything more is a regression.
+# sm90 backward: 16 (it has spilled up to 12 bytes of per-head loop state, outside the per-query-block loop).
+# sm80 backward: 64 (first, untuned version: 32 bytes non-causal, 40 causal at hdim 128, dK and dV holding
+# 128 of the 255 registers; docs/perf_notes.md).
+SPILL_BUDGET = {("fwd", 90): 0, ("bwd", 90): 16, ("fwd", 80): 0, ("bwd", 80): 64}
 
 
 def compile_one(nvcc: str, kernel: generate_kernels.Kernel, tmp: Path) -> tuple[bool, str]:
@@ -57,13 +59,15 @@ def main() -> int:
     ap.add_argument("--hdim", type=int, default=128, choices=generate_kernels.HDIMS)
     ap.add_argument("--causal", action="store_true", help="same as --mask causal")
     ap.add_argument("--mask", choices=("none", "causal", "local"), default="none")
-    ap.add_argument("--only", help="comma-separated subset of fwd90,bwd90,fwd80")
+    ap.add_argument(
+        "--only", help="comma-separated subset of fwd90,bwd90,fwd80,bwd80 (default: all but bwd80)"
+    )
     args = ap.parse_args()
     mask = "causal" if args.causal else args.mask
     causal, local = mask == "causal", mask == "local"
 
     nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
-    wanted = set((args.only or "fwd90,bwd90,fwd80").split(","))
+    wanted = set((args.only or "fwd90,bwd90,fwd80,bwd80").split(","))
     kernels = []
     if "fwd90" in wanted:
         kernels.append(generate_kernels.Kernel("fwd", 90, args.dtype, args.hdim, causal, local))
@@ -72,6 +76,8 @@ def main() -> int:
     # The Ampere path (not yet part of the default build: see docs/perf_notes.md); no window kernel there.
     if "fwd80" in wanted and not local:
         kernels.append(generate_kernels.Kernel("fwd", 80, args.dtype, args.hdim, causal, local))
+    if "bwd80" in wanted and not local and args.hdim in generate_kernels.BWD_HDIMS_SM80:
+        kernels.append(generate_kernels.Kernel("bwd", 80, args.dtype, args.hdim, causal, local))
     failed = False
     with tempfile.TemporaryDirectory() as tmp:
         for kernel in kernels:
@@ -92,7 +98,8 @@ def main() -> int:
                     print(f"[compile_check]   {line.strip()}")
                 spill = re.search(r"(\d+) bytes spill stores", line)
                 main_kernel = entry is not None and "kernel_entry_sm" in entry
-                if spill and int(spill.group(1)) > SPILL_BUDGET[kernel.direction] and main_kernel:
+                budget = SPILL_BUDGET[kernel.direction, kernel.arch]
+                if spill and int(spill.group(1)) > budget and main_kernel:
                     print(f"[compile_check] {kernel.name} FAILED: spills {spill.group(1)} bytes")
                     failed = True
             print(f"[compile_check] {kernel.name} compiled ({time.time() - t0:.0f} s)")

@@ -1,0 +1,26 @@
+// Host side of the sm80 backward: pre-pass, main kernel, post-pass, all on `stream`. Included once per
+// generated sm80 backward instantiation .cu.
+#pragma once
+
+#include "../common/bwd_prepost.cuh"
+#include "../dispatch.h"
+#include "../sm80/kernel_bwd_sm80.hpp"
+#include "../sm80/kernel_entry_sm80.hpp"
+#include "../sm80/kernel_traits_bwd_sm80.hpp"
+#include "launch_common.hpp"
+
+namespace flash4 {
+
+template <DType kDType, int kHeadDim, bool kCausal, bool kLocal>
+void run_bwd_sm80(const BwdParams& p, cudaStream_t stream) {
+  static_assert(!kLocal, "the sm80 backward has no sliding-window kernel yet (the generator never asks for one)");
+  using Element = CutlassElement<kDType>;
+  using Kernel = BwdKernelSm80<BwdTraitsSm80<Element, kHeadDim>, kCausal>;
+  bwd_preprocess_kernel<Element, kHeadDim><<<prepost_grid<kHeadDim>(p), kPrePostThreads, 0, stream>>>(p);
+  check_cuda(cudaGetLastError(), "sm80 backward pre-pass launch");
+  launch_kernel<Kernel>(kernel_entry_sm80<Kernel>, p, stream, "sm80 backward kernel launch");
+  bwd_postprocess_sm80_kernel<Element, kHeadDim><<<prepost_grid<kHeadDim>(p), kPrePostThreads, 0, stream>>>(p);
+  check_cuda(cudaGetLastError(), "sm80 backward post-pass launch");
+}
+
+}  // namespace flash4

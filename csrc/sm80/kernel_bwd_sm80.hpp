@@ -1,0 +1,287 @@
+// sm80 backward kernel (see kernel_traits_bwd_sm80.hpp for the math and the tiling): one CTA per (key
+// block, kv head, batch). Per query block, with Q, dO, lse_log2 and D of this block already in shared memory:
+//   wait; prefetch the next block's Q, dO (cp.async) and lse_log2, D into the other buffer;
+//   S^T = K Q^T, dP^T = V dO^T;  P^T, dS^T in registers;  dV += P^T dO;  dS^T -> shared memory;
+//   dK += dS^T Q;  dQ = dS K, added into dq_accum.
+// The pre-pass (common/bwd_prepost.cuh) and the plain post-pass below bracket it.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/array.h>
+#include <cutlass/numeric_conversion.h>
+
+#include "../common/block_info.hpp"
+#include "../common/bwd_prepost.cuh"
+#include "../common/softmax.hpp"  // exp2_approx
+#include "../common/sync.hpp"
+#include "../params.h"
+#include "kernel_fwd_sm80.hpp"  // copy_rows, gemm_smem, gemm_rs, accumulator views
+#include "kernel_traits_bwd_sm80.hpp"
+
+namespace flash4 {
+
+using namespace cute;
+
+// Registers of an fp32 fragment converted to Element, in the same layout.
+template <class Element, class Frag>
+CUTE_DEVICE auto to_element(Frag const& f) {
+  constexpr int kN = decltype(size(f))::value;
+  Tensor out = make_tensor_like<Element>(f);
+  *reinterpret_cast<cutlass::Array<Element, kN>*>(out.data()) =
+      cutlass::NumericArrayConverter<Element, float, kN>{}(*reinterpret_cast<cutlass::Array<float, kN> const*>(f.data()));
+  return out;
+}
+
+template <class Traits_, bool kCausal>
+struct BwdKernelSm80 {
+  using Traits = Traits_;
+  using Element = typename Traits::Element;
+  static constexpr int kBlockM = Traits::kBlockM;
+  static constexpr int kBlockN = Traits::kBlockN;
+  static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kNumThreads = Traits::kNumThreads;
+  static constexpr int kSmemBytes = Traits::kSmemBytes;
+  using Params = BwdParams;  // plain pointers and strides
+  using Mask = BlockMask<kBlockM, kBlockN, kCausal, false>;
+
+  static Params to_params(BwdParams const& p) { return p; }
+  static dim3 grid(BwdParams const& p) { return dim3((p.seqlen_k + kBlockN - 1) / kBlockN, p.nheads_kv, p.batch); }
+
+  // Deterministic mode: the position of key block n among those adding into query block m, as in the sm90
+  // kernel (causal: the last key block first; the grid is then launched in that order, see operator()).
+  CUTE_DEVICE static int turn(Mask const& bm, int n_block, int m_block) {
+    if constexpr (kCausal) {
+      return bm.n_block_max(m_block) - 1 - n_block;
+    } else {
+      return n_block;
+    }
+  }
+
+  CUTE_DEVICE void operator()(Params const& p, char* smem_buf) const {
+    // Causal + deterministic: key blocks start from the last, so that each CTA waits only for earlier ones.
+    const bool reversed = kCausal && p.dq_semaphore != nullptr;
+    const int n_block = reversed ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+    const int bidh_kv = blockIdx.y, bidb = blockIdx.z;
+    const int tid = threadIdx.x;
+    const int head_ratio = p.nheads_q / p.nheads_kv;
+    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k;
+    const Mask bm(seqlen_q, seqlen_k, 0, 0);
+    const int m_min = bm.m_block_min(n_block), m_max = bm.m_block_max(n_block);
+    const int num_m = cute::max(0, m_max - m_min);
+    const int steps = num_m * head_ratio;
+
+    // Shared memory: K, V, kStages x (Q, dO), dS^T, kStages x (lse_log2, D). (Local copies of the sizes: a
+    // static data member named in device code must not be odr-used.)
+    constexpr int kElemsKV = Traits::kElemsKV, kElemsQ = Traits::kElemsQ, kElemsdS = Traits::kElemsdS;
+    constexpr int kStages = Traits::kStages;
+    Element* smem = reinterpret_cast<Element*>(smem_buf);
+    Tensor sK = make_tensor(make_smem_ptr(smem), typename Traits::SmemLayoutKV{});
+    Tensor sV = make_tensor(make_smem_ptr(smem + kElemsKV), typename Traits::SmemLayoutKV{});
+    Element* q_base = smem + 2 * kElemsKV;
+    Element* ds_base = q_base + 2 * kStages * kElemsQ;
+    float* row_base = reinterpret_cast<float*>(ds_base + kElemsdS);
+    auto stage_ptr = [&](int s, int which) { return q_base + (2 * s + which) * kElemsQ; };  // 0 Q, 1 dO
+    Tensor sKt = make_tensor(sK.data(), typename Traits::SmemLayoutKt{});
+    Tensor sdSt = make_tensor(make_smem_ptr(ds_base), typename Traits::SmemLayoutdSt{});
+    Tensor sdS = make_tensor(make_smem_ptr(ds_base), typename Traits::SmemLayoutdS{});
+
+    auto gtensor = [&](const void* base, int64_t batch_stride, int64_t head_off, int64_t row_stride, int rows) {
+      auto ptr = static_cast<Element const*>(base) + bidb * batch_stride + head_off;
+      return make_tensor(make_gmem_ptr(ptr), make_shape(rows, Int<kHeadDim>{}), make_stride(row_stride, _1{}));
+    };
+    typename Traits::GmemTiledCopy gmem_copy;
+    auto gthr = gmem_copy.get_thread_slice(tid);
+
+    // K and V of this CTA (keys past seqlen_k zeroed, never read).
+    {
+      Tensor mK = gtensor(p.k, p.k_batch_stride, bidh_kv * p.k_head_stride, p.k_row_stride, seqlen_k);
+      Tensor mV = gtensor(p.v, p.v_batch_stride, bidh_kv * p.v_head_stride, p.v_row_stride, seqlen_k);
+      Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
+      Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
+      Tensor cKV = gthr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+      Tensor tKsK = gthr.partition_D(sK);
+      Tensor tVsV = gthr.partition_D(sV);
+      copy_rows(gmem_copy, gthr.partition_S(gK), tKsK, cKV, seqlen_k - n_block * kBlockN);
+      copy_rows(gmem_copy, gthr.partition_S(gV), tVsV, cKV, seqlen_k - n_block * kBlockN);
+    }
+
+    // Step t covers query head bidh_kv * head_ratio + t / num_m, query block m_min + t % num_m.
+    auto load_step = [&](int t, int s) {
+      const int bidh = bidh_kv * head_ratio + t / num_m, m_block = m_min + t % num_m;
+      Tensor mQ = gtensor(p.q, p.q_batch_stride, bidh * p.q_head_stride, p.q_row_stride, seqlen_q);
+      Tensor mdO = gtensor(p.dout, p.dout_batch_stride, bidh * p.dout_head_stride, p.dout_row_stride, seqlen_q);
+      Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, _0{}));
+      Tensor gdO = local_tile(mdO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, _0{}));
+      Tensor sQ = make_tensor(make_smem_ptr(stage_ptr(s, 0)), typename Traits::SmemLayoutQ{});
+      Tensor sdO = make_tensor(make_smem_ptr(stage_ptr(s, 1)), typename Traits::SmemLayoutQ{});
+      Tensor cQ = gthr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+      Tensor tQsQ = gthr.partition_D(sQ);
+      Tensor tdOsdO = gthr.partition_D(sdO);
+      copy_rows(gmem_copy, gthr.partition_S(gQ), tQsQ, cQ, seqlen_q - m_block * kBlockM);
+      copy_rows(gmem_copy, gthr.partition_S(gdO), tdOsdO, cQ, seqlen_q - m_block * kBlockM);
+      // lse_log2 and D: rows up to the 128-row padding exist in the scratch (+inf and 0 past seqlen_q).
+      if (tid < kBlockM) {
+        const int64_t row = bidb * p.accum_batch_stride + bidh * p.accum_head_stride + m_block * kBlockM + tid;
+        row_base[(2 * s) * kBlockM + tid] = p.lse_log2[row];
+        row_base[(2 * s + 1) * kBlockM + tid] = p.dpsum[row];
+      }
+    };
+    if (steps > 0) load_step(0, 0);
+    cp_async_fence();
+
+    typename Traits::TiledMmaKey mma;
+    auto thr = mma.get_thread_slice(tid);
+    using TileS = Shape<Int<kBlockN>, Int<kBlockM>>;
+    using TileKV = Shape<Int<kBlockN>, Int<kHeadDim>>;
+    Tensor sQ0 = make_tensor(make_smem_ptr(stage_ptr(0, 0)), typename Traits::SmemLayoutQ{});
+    Tensor sQt0 = make_tensor(make_smem_ptr(stage_ptr(0, 0)), typename Traits::SmemLayoutQt{});
+    Tensor tSrK = thr.partition_fragment_A(sK);
+    Tensor tSrV = thr.partition_fragment_A(sV);
+    Tensor tSrQ = thr.partition_fragment_B(sQ0);     // also dO's
+    Tensor tdKrQt = thr.partition_fragment_B(sQt0);  // also dO^T's
+    auto copy_a = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma);
+    auto copy_b = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, mma);
+    auto copy_bt = make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, mma);
+    Tensor tSsK = copy_a.get_thread_slice(tid).partition_S(sK);
+    Tensor tSsV = copy_a.get_thread_slice(tid).partition_S(sV);
+
+    Tensor tdKrdK = partition_fragment_C(mma, TileKV{});
+    Tensor tdVrdV = partition_fragment_C(mma, TileKV{});
+    clear(tdKrdK);
+    clear(tdVrdV);
+    Tensor tScS = thr.partition_C(make_identity_tensor(TileS{}));  // (key, query) in the tile
+    Tensor tScS_rc = make_tensor(tScS.data(), sm80_acc_rowcol_layout(tScS.layout()));
+    auto copy_ds = make_tiled_copy_C(typename Traits::SmemCopyAtomdS{}, mma);
+    auto thr_copy_ds = copy_ds.get_thread_slice(tid);
+    Tensor tdSsdSt = thr_copy_ds.partition_D(sdSt);
+
+    typename Traits::TiledMmadQ mma_dq;
+    auto thr_dq = mma_dq.get_thread_slice(tid);
+    Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
+    Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
+    auto copy_dq_a = make_tiled_copy_A(typename Traits::SmemCopyAtomT{}, mma_dq);
+    auto copy_dq_b = make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, mma_dq);
+    Tensor tdQsdS = copy_dq_a.get_thread_slice(tid).partition_S(sdS);
+    Tensor tdQsKt = copy_dq_b.get_thread_slice(tid).partition_S(sKt);
+    Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+
+#pragma unroll 1
+    for (int t = 0; t < steps; ++t) {
+      const int s = t & 1;
+      const int bidh = bidh_kv * head_ratio + t / num_m, m_block = m_min + t % num_m;
+      cp_async_wait<0>();
+      __syncthreads();  // this step's tiles visible; every warp is done with the other buffer and with dS
+      if (t + 1 < steps) load_step(t + 1, s ^ 1);
+      cp_async_fence();
+
+      Tensor sQ = make_tensor(make_smem_ptr(stage_ptr(s, 0)), typename Traits::SmemLayoutQ{});
+      Tensor sdO = make_tensor(make_smem_ptr(stage_ptr(s, 1)), typename Traits::SmemLayoutQ{});
+      Tensor sQt = make_tensor(make_smem_ptr(stage_ptr(s, 0)), typename Traits::SmemLayoutQt{});
+      Tensor sdOt = make_tensor(make_smem_ptr(stage_ptr(s, 1)), typename Traits::SmemLayoutQt{});
+      const float* lse_s = row_base + (2 * s) * kBlockM;
+      const float* dpsum_s = row_base + (2 * s + 1) * kBlockM;
+
+      Tensor tSrS = partition_fragment_C(mma, TileS{});
+      Tensor tSrdP = partition_fragment_C(mma, TileS{});
+      clear(tSrS);
+      clear(tSrdP);
+      gemm_smem(mma, tSrK, tSrQ, tSrS, tSsK, copy_b.get_thread_slice(tid).partition_S(sQ), copy_a, copy_b);
+      gemm_smem(mma, tSrV, tSrQ, tSrdP, tSsV, copy_b.get_thread_slice(tid).partition_S(sdO), copy_a, copy_b);
+
+      // P^T = exp2(S^T * scale_log2 - lse_log2[q]) (0 where masked), dS^T = P^T * (dP^T - D[q]).
+      Tensor tSrS_rc = make_tensor(tSrS.data(), sm80_acc_rowcol_layout(tSrS.layout()));
+      Tensor tSrdP_rc = make_tensor(tSrdP.data(), sm80_acc_rowcol_layout(tSrdP.layout()));
+      const bool need_mask = bm.tile_needs_mask(m_block, n_block);
+#pragma unroll
+      for (int r = 0; r < size<0>(tSrS_rc); ++r) {
+#pragma unroll
+        for (int c = 0; c < size<1>(tSrS_rc); ++c) {
+          const int query = get<1>(tScS_rc(r, c));
+          float prob = exp2_approx(fmaf(tSrS_rc(r, c), p.softmax_scale_log2, -lse_s[query]));
+          if (need_mask && bm.masked(m_block * kBlockM + query, n_block * kBlockN + get<0>(tScS_rc(r, c)))) {
+            prob = 0.f;
+          }
+          tSrS_rc(r, c) = prob;
+          tSrdP_rc(r, c) = prob * (tSrdP_rc(r, c) - dpsum_s[query]);
+        }
+      }
+      Tensor tPrP = to_element<Element>(tSrS);
+      Tensor tdSrdS = to_element<Element>(tSrdP);
+      Tensor tPrP_a = make_tensor(tPrP.data(), sm80_acc_as_a_layout(tPrP.layout()));
+      Tensor tdSrdS_a = make_tensor(tdSrdS.data(), sm80_acc_as_a_layout(tdSrdS.layout()));
+
+      gemm_rs(mma, tPrP_a, tdKrQt, tdVrdV, copy_bt.get_thread_slice(tid).partition_S(sdOt), copy_bt);  // dV
+      copy(copy_ds, thr_copy_ds.retile_S(tdSrdS), tdSsdSt);
+      gemm_rs(mma, tdSrdS_a, tdKrQt, tdKrdK, copy_bt.get_thread_slice(tid).partition_S(sQt), copy_bt);  // dK
+      __syncthreads();  // dS^T complete in shared memory
+
+      Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+      clear(tdQrdQ);
+      gemm_smem(mma_dq, tdQrdS, tdQrKt, tdQrdQ, tdQsdS, tdQsKt, copy_dq_a, copy_dq_b);
+
+      // dQ into dq_accum (rows up to the 128-row padding exist, so no row check). Deterministic: in turn.
+      const int64_t row0 = bidb * p.accum_batch_stride + bidh * p.accum_head_stride;
+      int* semaphore = p.dq_semaphore ? p.dq_semaphore + row0 / kBlockM + m_block : nullptr;
+      if (semaphore != nullptr) {
+        if (tid == 0) {
+          while (load_acquire_gpu(semaphore) != turn(bm, n_block, m_block)) {
+          }
+        }
+        __syncthreads();
+      }
+      float* dq_accum = p.dq_accum + (row0 + int64_t(m_block) * kBlockM) * kHeadDim;
+#pragma unroll
+      for (int e = 0; e < size(tdQrdQ); ++e) {
+        atomicAdd(dq_accum + get<0>(tdQcdQ(e)) * kHeadDim + get<1>(tdQcdQ(e)), tdQrdQ(e));
+      }
+      if (semaphore != nullptr) {
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) release_increment_gpu(semaphore);
+      }
+    }
+
+    // dK (scaled: S = scale * Q K^T) and dV, rows past seqlen_k skipped; elements e, e + 1 are adjacent columns.
+    Tensor tdKVc = thr.partition_C(make_identity_tensor(TileKV{}));
+    auto write = [&](auto const& acc, void* base, int64_t batch_stride, int64_t row_stride, int64_t head_stride,
+                     float scale) {
+      Element* out = static_cast<Element*>(base) + bidb * batch_stride + bidh_kv * head_stride;
+#pragma unroll
+      for (int e = 0; e < size(acc); e += 2) {
+        const int row = n_block * kBlockN + get<0>(tdKVc(e));
+        if (row < seqlen_k) {
+          cutlass::Array<float, 2> f;
+          f[0] = acc(e) * scale;
+          f[1] = acc(e + 1) * scale;
+          *reinterpret_cast<cutlass::Array<Element, 2>*>(out + row * row_stride + get<1>(tdKVc(e))) =
+              cutlass::NumericArrayConverter<Element, float, 2>{}(f);
+        }
+      }
+    };
+    write(tdKrdK, p.dk, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride, p.softmax_scale);
+    write(tdVrdV, p.dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, 1.f);
+  }
+};
+
+// dq = dq_accum * softmax_scale: dq_accum is plain row-major here (the sm90 kernel permutes its blocks).
+// Grid as the pre-pass: prepost_grid<kHeadDim>, kPreThreadsPerRow lanes per row, 8 columns each.
+template <class Element, int kHeadDim>
+__global__ void __launch_bounds__(kPrePostThreads) bwd_postprocess_sm80_kernel(const BwdParams p) {
+  constexpr int kThreads = kPreThreadsPerRow<kHeadDim>;
+  const int bidh = blockIdx.y, bidb = blockIdx.z;
+  const int row = blockIdx.x * kPreRowsPerCta<kHeadDim> + threadIdx.x / kThreads;
+  const int col = (threadIdx.x % kThreads) * 8;
+  if (row >= p.seqlen_q || col >= kHeadDim) return;
+  const int64_t acc_row = bidb * p.accum_batch_stride + bidh * p.accum_head_stride + row;
+  const float4* acc = reinterpret_cast<const float4*>(p.dq_accum + acc_row * kHeadDim + col);
+  const float4 a = acc[0], b = acc[1];
+  cutlass::Array<float, 8> f;
+  f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) f[i] *= p.softmax_scale;
+  Element* dq = static_cast<Element*>(p.dq) + bidb * p.dq_batch_stride + row * p.dq_row_stride +
+                bidh * p.dq_head_stride + col;
+  *reinterpret_cast<cutlass::Array<Element, 8>*>(dq) = cutlass::NumericArrayConverter<Element, float, 8>{}(f);
+}
+
+}  // namespace flash4
