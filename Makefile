@@ -6,7 +6,7 @@
 PYTHON ?= python3
 BENCH_ARGS ?=
 
-.PHONY: install build test bench bench-varlen bench-quick gpu-check compile-check lint format clean
+.PHONY: install build test bench bench-varlen bench-quick gpu-check gpu-sm80 compile-check lint format clean
 
 install:  ## build against the torch you run (no build isolation: ABI) and install
 	$(PYTHON) -m pip install --no-build-isolation -v .
@@ -31,6 +31,9 @@ bench-quick:  ## hdim 64/128/256 x seqlen 4096/8192 x causal both, forward and b
 
 gpu-check:  ## build + tests + quick bench on a GPU machine without network; logs in $$OUT or build/gpu_check
 	bash scripts/gpu_check.sh
+
+gpu-sm80:  ## the Ampere path on a Hopper GPU (FLASH_ATTN4_FORCE_SM80=1): build, fwd/bwd tests, bench vs FA2
+	bash scripts/gpu_sm80.sh
 
 compile-check:  ## compile one sm_90a forward instantiation with nvcc (no GPU needed)
 	$(PYTHON) tools/compile_check.py
