@@ -241,6 +241,8 @@ struct BwdKernelSm80 {
       }
     }
 
+    cp_async_wait<0>();  // a key block no query sees skipped the loop with its K/V copies still in flight
+
     // dK (scaled: S = scale * Q K^T) and dV, rows past seqlen_k skipped; elements e, e + 1 are adjacent columns.
     Tensor tdKVc = thr.partition_C(make_identity_tensor(TileKV{}));
     auto write = [&](auto const& acc, void* base, int64_t batch_stride, int64_t row_stride, int64_t head_stride,
