@@ -122,6 +122,44 @@ def varlen_rows(args) -> list[dict]:
     return rows
 
 
+def plot(rows: list[dict], path: Path) -> None:
+    """Two panels: the window's speedup over causal (fwd, bwd, the block-level ideal) and varlen TFLOP/s
+    against the equal-length batch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    win = [r for r in rows if r["kind"] == "window"]
+    var = [r for r in rows if r["kind"] == "varlen"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    if win:
+        names = [r["direction"] for r in win]
+        a.bar(names, [r["speedup"] for r in win], color="#3b7dd8")
+        a.axhline(4.0, color="k", ls="--", lw=1, label="goal 4x")
+        a.set_title(f"window {win[0]['window_left']} vs causal, seqlen {win[0]['seqlen']}")
+        a.set_ylabel("speedup over full causal")
+        for i, r in enumerate(win):
+            a.text(i, r["speedup"], f"{r['speedup']:.2f}x", ha="center", va="bottom")
+        a.legend()
+    if var:
+        labels = [f"{r['direction']}{' causal' if r['causal'] else ''}" for r in var]
+        key = ["bwd_tflops" if r["direction"] == "bwd" else "fwd_tflops" for r in var]
+        xs = range(len(var))
+        a_vals = [r[k] for r, k in zip(var, key)]
+        e_vals = [r["equal_" + k] for r, k in zip(var, key)]
+        b.bar([x - 0.2 for x in xs], a_vals, 0.4, label=f"varlen ({var[0]['num_seqs']} seqs, 64..8192)")
+        b.bar([x + 0.2 for x in xs], e_vals, 0.4, label=f"equal length {var[0]['equal_seqlen']}")
+        b.set_xticks(list(xs), labels)
+        b.set_ylabel("TFLOP/s")
+        b.set_title(f"{var[0]['tokens']} tokens, hdim {var[0]['hdim']}, {var[0]['nheads']} heads")
+        b.legend(loc="lower right")
+    fig.suptitle(f"flash_attn4 on {rows[0].get('gpu', 'GPU')}, bf16")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--window-seqlen", type=int, default=32768)
@@ -132,7 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=25)
     ap.add_argument("--rep", type=int, default=100)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--plot-only", type=Path, help="redraw the PNG of an existing JSON and exit")
     args = ap.parse_args(argv)
+    if args.plot_only:
+        plot(json.loads(args.plot_only.read_text()), args.plot_only.with_suffix(".png"))
+        return 0
     if not torch.cuda.is_available():
         print("bench_varlen.py needs a CUDA device", file=sys.stderr)
         return 1
@@ -141,8 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": "bf16"}
     out = args.out or RESULTS / f"{gpu_slug(meta['gpu'])}_varlen.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps([{**r, **meta} for r in rows], indent=1) + "\n")
+    rows = [{**r, **meta} for r in rows]
+    out.write_text(json.dumps(rows, indent=1) + "\n")
     print(f"results: {out}")
+    plot(rows, out.with_suffix(".png"))
     return 0
 
 
