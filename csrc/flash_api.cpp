@@ -62,7 +62,7 @@ using OptTensor = std::optional<at::Tensor>;
 
 // The options shared by forward and backward: masks, softcap and packed-batch geometry.
 struct Options {
-  bool causal = false, local = false;
+  bool causal = false, local = false;  // which mask kernel the dispatch table picks
   int window_left = 0, window_right = 0;
   float softcap = 0.f;
   bool packed = false;
@@ -124,12 +124,17 @@ Options make_options(const at::Tensor& q, const at::Tensor& k, bool causal, int6
 
 template <class P>
 void set_options(P& p, const Options& o) {
-  p.causal = o.causal, p.local = o.local;
   p.window_left = o.window_left, p.window_right = o.window_right;
   p.softcap = o.softcap;
   p.cu_seqlens_q = o.cu_q, p.cu_seqlens_k = o.cu_k, p.seqused_q = o.used_q, p.seqused_k = o.used_k;
   p.total_q = o.total_q, p.total_k = o.total_k;
   p.batch = o.batch, p.seqlen_q = o.seqlen_q, p.seqlen_k = o.seqlen_k;
+}
+
+// Packed batches and softcap exist only in the sm90 kernels (windows: the table has no sm80 window entry).
+void check_features(const Options& o, int kernel_arch) {
+  TORCH_CHECK(kernel_arch == 90 || (!o.packed && o.softcap == 0.f),
+              "flash_attn4: packed batches and softcap need the sm90 kernels (Hopper)");
 }
 
 std::string mask_name(const Options& o) { return o.local ? "window" : o.causal ? "causal" : "no mask"; }
@@ -191,8 +196,7 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
   const DType kdtype = dtype == at::kBFloat16 ? DType::kBF16 : DType::kFP16;
   const int arch = device_arch(q);
   const int kernel_arch = fwd_kernel_arch(arch);
-  TORCH_CHECK(kernel_arch == 90 || (!o.packed && o.softcap == 0.f),
-              "flash_attn4: packed batches and softcap need the sm90 kernels (Hopper)");
+  check_features(o, kernel_arch);
   const flash4::FwdKernelEntry* entry = flash4::find_fwd_kernel(kernel_arch, kdtype, int(head_dim), o.causal, o.local);
   TORCH_CHECK(entry != nullptr,
               "flash_attn4: no compiled forward kernel for sm_" + str(arch) + ", " +
@@ -283,8 +287,7 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
   const DType kdtype = dtype == at::kBFloat16 ? DType::kBF16 : DType::kFP16;
   const int arch = device_arch(q);
   const int kernel_arch = fwd_kernel_arch(arch);  // the backward follows the forward's kernel family
-  TORCH_CHECK(kernel_arch == 90 || (!o.packed && o.softcap == 0.f),
-              "flash_attn4: packed batches and softcap need the sm90 kernels (Hopper)");
+  check_features(o, kernel_arch);
   const flash4::BwdKernelEntry* entry =
       flash4::find_bwd_kernel(kernel_arch, kdtype, int(head_dim), o.causal, o.local);
   TORCH_CHECK(entry != nullptr, "flash_attn4: no compiled backward kernel for sm_" + str(arch) + ", " +

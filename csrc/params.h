@@ -4,14 +4,21 @@
 // elements index correctly. Shapes are 32-bit: TMA coordinates are 32-bit anyway.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 namespace flash4 {
 
 enum class DType : int { kFP16 = 0, kBF16 = 1 };
 
-// What forward and backward share beyond the tensors: packed-batch geometry, sliding window, softcap.
+// What forward and backward share beyond the tensors: the score scale, packed-batch geometry, sliding
+// window, softcap. The mask kind itself (none, causal, window) is a template parameter of the kernel the
+// dispatch table picks, not a field.
 struct SeqMaskParams {
+  float softmax_scale = 0.f;
+  // softmax_scale * log2(e): the kernels use exp2, so the scale and the change of base fold into one FMA.
+  float softmax_scale_log2 = 0.f;
+
   // Packed (varlen) batches, else all null: sequence b owns rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of
   // q/out and [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k/v, which are then (total, heads, head_dim) with
   // batch strides 0; seqlen_q/seqlen_k are the longest lengths (they size the grid), total_q/total_k the
@@ -25,9 +32,15 @@ struct SeqMaskParams {
   // Sliding window, read by the kLocal kernels only: query i sees keys
   // [i + seqlen_k - seqlen_q - window_left, i + seqlen_k - seqlen_q + window_right]; the binding passes an
   // unbounded side as a value larger than any length. softcap > 0: scores s become softcap * tanh(s / softcap).
-  bool local = false;
   int window_left = 0, window_right = 0;
   float softcap = 0.f;
+
+  // How the kernels turn a raw score s = q.k into the softmax exponent, in one place for both directions:
+  // exp2(t * score_scale_log2() - ...) with t = s, or with softcap t = tanh(s * softcap_scale()) (the capped
+  // scaled score is softcap * t); lse_scale() turns the running max of t back into natural-log units.
+  float score_scale_log2() const { return softcap > 0.f ? float(softcap * M_LOG2E) : softmax_scale_log2; }
+  float softcap_scale() const { return softcap > 0.f ? softmax_scale / softcap : 0.f; }
+  float lse_scale() const { return softcap > 0.f ? softcap : softmax_scale; }
 };
 
 struct FwdParams : SeqMaskParams {
@@ -56,12 +69,6 @@ struct FwdParams : SeqMaskParams {
   int nheads_q = 0;
   int nheads_kv = 0;  // nheads_q % nheads_kv == 0 (GQA/MQA)
   int head_dim = 0;   // equals the instantiation's head dim
-
-  float softmax_scale = 0.f;
-  // softmax_scale * log2(e): the kernel uses exp2, so the scale and the change of base fold into one FMA.
-  float softmax_scale_log2 = 0.f;
-  // Bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q.
-  bool causal = false;
 
   DType dtype = DType::kBF16;
 };
@@ -125,9 +132,6 @@ struct BwdParams : SeqMaskParams {
   int* dq_semaphore = nullptr;
 
   int batch = 0, seqlen_q = 0, seqlen_k = 0, nheads_q = 0, nheads_kv = 0, head_dim = 0;
-  float softmax_scale = 0.f;
-  float softmax_scale_log2 = 0.f;
-  bool causal = false;
   DType dtype = DType::kBF16;
 };
 

@@ -156,6 +156,15 @@ def backward_hdims(dtype_key: str, arch: int = 90) -> tuple[int, ...]:
     return tuple(sorted({int(n[len(prefix) :].split("_")[0]) for n in names}))
 
 
+def backward_hdims_for(device: torch.device) -> tuple[int, ...]:
+    """Backward head dims (bf16, else fp16) of the kernel family `device` takes: sm80 on Ampere or with
+    FLASH_ATTN4_FORCE_SM80=1, else sm90 (also when no GPU or no build can say)."""
+    arch = 90
+    if torch.device(device).type == "cuda" and torch.cuda.is_available() and is_built():
+        arch = kernel_arch(torch.device(device))[0] or 90
+    return backward_hdims("bf16", arch) or backward_hdims("fp16", arch)
+
+
 def backward_padded_hdim(dtype: torch.dtype, hdim: int, device: torch.device | None = None) -> int | None:
     """Smallest head dim >= `hdim` with a compiled backward kernel (zero padding as for the forward), or
     None; with a CUDA `device`, of the kernel family that serves it (the sm80 path has head dims <= 128)."""

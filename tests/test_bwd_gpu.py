@@ -23,18 +23,8 @@ from flash_attn4 import _build_info, attn
 from flash_attn4.reference import attention_bwd_ref, attention_ref
 
 DEVICE = torch.device("cuda")
-
-
-# Head dims with a compiled backward (read from the extension), or the usual ones for the skip message.
-def _bwd_hdims() -> list[int]:
-    """Backward head dims of the kernel family this GPU takes (sm80 with FLASH_ATTN4_FORCE_SM80=1)."""
-    arch = 90
-    if torch.cuda.is_available() and _build_info.is_built():
-        arch = _build_info.kernel_arch(DEVICE)[0] or 90
-    return list(_build_info.backward_hdims("bf16", arch) or _build_info.backward_hdims("fp16", arch))
-
-
-BWD_HDIMS = _bwd_hdims() or [64, 96, 128]
+# Head dims with a compiled backward for this GPU's kernel family, or the usual ones for the skip message.
+BWD_HDIMS = list(_build_info.backward_hdims_for(DEVICE)) or [64, 96, 128]
 ONE_HDIM = 128 if 128 in BWD_HDIMS else BWD_HDIMS[-1]  # for the tests that run one head dim
 DTYPES = [{"bf16": torch.bfloat16, "fp16": torch.float16}[n] for n in _build_info.DTYPES] or [
     torch.bfloat16,

@@ -20,17 +20,7 @@ from flash_attn4.reference import (
 )
 
 DEVICE = torch.device("cuda")
-
-
-def _bwd_hdims() -> list[int]:
-    """Backward head dims of the kernel family this GPU takes (sm80 with FLASH_ATTN4_FORCE_SM80=1)."""
-    arch = 90
-    if torch.cuda.is_available() and _build_info.is_built():
-        arch = _build_info.kernel_arch(DEVICE)[0] or 90
-    return list(_build_info.backward_hdims("bf16", arch) or _build_info.backward_hdims("fp16", arch))
-
-
-BWD_HDIMS = _bwd_hdims() or [64, 128]
+BWD_HDIMS = list(_build_info.backward_hdims_for(DEVICE)) or [64, 128]
 HDIMS = [h for h in (64, 128, 256) if h in BWD_HDIMS] or BWD_HDIMS[:1]
 DTYPES = [{"bf16": torch.bfloat16, "fp16": torch.float16}[n] for n in _build_info.DTYPES] or [torch.bfloat16]
 

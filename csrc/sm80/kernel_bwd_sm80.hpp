@@ -12,6 +12,7 @@
 
 #include "../common/block_info.hpp"
 #include "../common/bwd_prepost.cuh"
+#include "../common/fragment.hpp"
 #include "../common/softmax.hpp"  // exp2_approx
 #include "../common/sync.hpp"
 #include "../params.h"
@@ -21,16 +22,6 @@
 namespace flash4 {
 
 using namespace cute;
-
-// Registers of an fp32 fragment converted to Element, in the same layout.
-template <class Element, class Frag>
-CUTE_DEVICE auto to_element(Frag const& f) {
-  constexpr int kN = decltype(size(f))::value;
-  Tensor out = make_tensor_like<Element>(f);
-  *reinterpret_cast<cutlass::Array<Element, kN>*>(out.data()) =
-      cutlass::NumericArrayConverter<Element, float, kN>{}(*reinterpret_cast<cutlass::Array<float, kN> const*>(f.data()));
-  return out;
-}
 
 template <class Traits_, bool kCausal>
 struct BwdKernelSm80 {
@@ -205,8 +196,10 @@ struct BwdKernelSm80 {
           tSrdP_rc(r, c) = prob * (tSrdP_rc(r, c) - dpsum_s[query]);
         }
       }
-      Tensor tPrP = to_element<Element>(tSrS);
-      Tensor tdSrdS = to_element<Element>(tSrdP);
+      Tensor tPrP = make_tensor_like<Element>(tSrS);
+      Tensor tdSrdS = make_tensor_like<Element>(tSrdP);
+      convert_fragment(tSrS, tPrP);
+      convert_fragment(tSrdP, tdSrdS);
       Tensor tPrP_a = make_tensor(tPrP.data(), sm80_acc_as_a_layout(tPrP.layout()));
       Tensor tdSrdS_a = make_tensor(tdSrdS.data(), sm80_acc_as_a_layout(tdSrdS.layout()));
 
@@ -243,22 +236,13 @@ struct BwdKernelSm80 {
 
     cp_async_wait<0>();  // a key block no query sees skipped the loop with its K/V copies still in flight
 
-    // dK (scaled: S = scale * Q K^T) and dV, rows past seqlen_k skipped; elements e, e + 1 are adjacent columns.
+    // dK (scaled: S = scale * Q K^T) and dV, rows past seqlen_k skipped.
     Tensor tdKVc = thr.partition_C(make_identity_tensor(TileKV{}));
     auto write = [&](auto const& acc, void* base, int64_t batch_stride, int64_t row_stride, int64_t head_stride,
                      float scale) {
-      Element* out = static_cast<Element*>(base) + bidb * batch_stride + bidh_kv * head_stride;
-#pragma unroll
-      for (int e = 0; e < size(acc); e += 2) {
-        const int row = n_block * kBlockN + get<0>(tdKVc(e));
-        if (row < seqlen_k) {
-          cutlass::Array<float, 2> f;
-          f[0] = acc(e) * scale;
-          f[1] = acc(e + 1) * scale;
-          *reinterpret_cast<cutlass::Array<Element, 2>*>(out + row * row_stride + get<1>(tdKVc(e))) =
-              cutlass::NumericArrayConverter<Element, float, 2>{}(f);
-        }
-      }
+      Element* out = static_cast<Element*>(base) + bidb * batch_stride + bidh_kv * head_stride +
+                     int64_t(n_block) * kBlockN * row_stride;
+      store_pairs(acc, tdKVc, out, row_stride, seqlen_k - n_block * kBlockN, scale);
     };
     write(tdKrdK, p.dk, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride, p.softmax_scale);
     write(tdVrdV, p.dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, 1.f);

@@ -6,6 +6,7 @@
 #include <cutlass/arch/barrier.h>
 
 #include "../common/block_info.hpp"
+#include "../common/fragment.hpp"
 #include "../params.h"
 #include "utils_sm90.hpp"
 
@@ -64,9 +65,6 @@ struct EpilogueFwdSm90 {
     // Q K^T (already complete) was the final reader of.
     Tensor sO = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutO{});
 
-    Tensor tOrO_out = make_tensor<Element>(tOrO.layout());
-    convert_fragment(tOrO, tOrO_out);
-
     // LSE: the four lanes that share a row hold the same value; the one holding column 0 writes it.
     auto thr_mma_pv = tiled_mma_pv.get_thread_slice(thread_idx);
     Tensor tOcO = thr_mma_pv.partition_C(make_identity_tensor(TileO{}));
@@ -86,19 +84,12 @@ struct EpilogueFwdSm90 {
     if (params.packed && (m_block + 1) * kBlockM > seq.seqlen_q) {
       Element* o = params.o + (int64_t(seq.offset_q) + m_block * kBlockM) * params.o_row_stride +
                    bidh * params.o_head_stride;
-#pragma unroll
-      for (int e = 0; e < size(tOrO_out); e += 2) {
-        const int row = get<0>(tOcO(e));
-        if (m_block * kBlockM + row < seq.seqlen_q) {
-          cutlass::Array<Element, 2> pair;
-          pair[0] = tOrO_out(e);
-          pair[1] = tOrO_out(e + 1);
-          *reinterpret_cast<cutlass::Array<Element, 2>*>(o + row * params.o_row_stride + get<1>(tOcO(e))) = pair;
-        }
-      }
+      store_pairs(tOrO, tOcO, o, params.o_row_stride, seq.seqlen_q - m_block * kBlockM, 1.f);
       return;
     }
 
+    Tensor tOrO_out = make_tensor<Element>(tOrO.layout());
+    convert_fragment(tOrO, tOrO_out);
     auto smem_tiled_copy_O = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, tiled_mma_pv);
     auto smem_thr_copy_O = smem_tiled_copy_O.get_thread_slice(thread_idx);
     copy(smem_tiled_copy_O, smem_thr_copy_O.retile_S(tOrO_out), smem_thr_copy_O.partition_D(sO));

@@ -14,6 +14,7 @@
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
 #include "../common/block_info.hpp"
+#include "../common/fragment.hpp"
 #include "../common/mask.hpp"     // tanh_approx
 #include "../common/softmax.hpp"  // exp2_approx
 #include "../common/sync.hpp"
@@ -128,9 +129,9 @@ struct BwdKernelSm90 {
             p.seqlen_k,
             p.nheads_q,
             p.nheads_q / p.nheads_kv,
-            p.softcap > 0.f ? float(p.softcap * M_LOG2E) : p.softmax_scale_log2,
+            p.score_scale_log2(),
             p.softmax_scale,
-            p.softcap > 0.f ? p.softmax_scale / p.softcap : 0.f,
+            p.softcap_scale(),
             p.window_left,
             p.window_right,
             p.cu_seqlens_q,
@@ -606,19 +607,8 @@ struct BwdKernelSm90 {
     auto write = [&](FragKV const& acc, void* base, int64_t batch_stride, int64_t row_stride, int64_t head_stride,
                      float scale) {
       Element* out = static_cast<Element*>(base) + seq.info.batch * batch_stride + bidh_kv * head_stride +
-                     seq.info.offset_k * row_stride;
-      // Consecutive accumulator elements 2i, 2i+1 hold adjacent columns of one row.
-#pragma unroll
-      for (int e = 0; e < size(acc); e += 2) {
-        const int row = n_block * kBlockN + get<0>(tdKVcdKV(e));
-        if (row < seq.info.seqlen_k) {
-          cutlass::Array<float, 2> f;
-          f[0] = acc(e) * scale;
-          f[1] = acc(e + 1) * scale;
-          *reinterpret_cast<cutlass::Array<Element, 2>*>(out + row * row_stride + get<1>(tdKVcdKV(e))) =
-              cutlass::NumericArrayConverter<Element, float, 2>{}(f);
-        }
-      }
+                     (int64_t(seq.info.offset_k) + n_block * kBlockN) * row_stride;
+      store_pairs(acc, tdKVcdKV, out, row_stride, seq.info.seqlen_k - n_block * kBlockN, scale);
     };
     write(tdKrdK, params.dk, params.dk_batch_stride, params.dk_row_stride, params.dk_head_stride,
           params.softmax_scale);

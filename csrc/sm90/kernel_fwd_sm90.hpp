@@ -35,7 +35,7 @@ struct FwdKernelSm90 {
   };
 
   static Params to_params(FwdParams const& p) {
-    return {Mainloop::to_params(p), Epilogue::to_params(p), p.softcap > 0.f ? p.softcap : p.softmax_scale};
+    return {Mainloop::to_params(p), Epilogue::to_params(p), p.lse_scale()};
   }
 
   static dim3 grid(FwdParams const& p) {

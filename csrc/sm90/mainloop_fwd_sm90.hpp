@@ -62,8 +62,7 @@ struct MainloopFwdSm90 {
     ShapeT shape_q, shape_k, shape_vt;
     int seqlen_q, seqlen_k;  // the longest sequence's, for packed batches
     int head_ratio;          // nheads_q / nheads_kv
-    // Scores enter the softmax as exp2(s * scale_log2 - max); with softcap, s is tanh(s * softcap_scale)
-    // and scale_log2 = softcap * log2(e). softcap_scale = 0: no softcap.
+    // See SeqMaskParams::score_scale_log2 (params.h).
     float scale_log2;
     float softcap_scale;
     int window_left, window_right;
@@ -95,8 +94,8 @@ struct MainloopFwdSm90 {
             p.seqlen_q,
             p.seqlen_k,
             p.nheads_q / p.nheads_kv,
-            p.softcap > 0.f ? float(p.softcap * M_LOG2E) : p.softmax_scale_log2,
-            p.softcap > 0.f ? p.softmax_scale / p.softcap : 0.f,
+            p.score_scale_log2(),
+            p.softcap_scale(),
             p.window_left,
             p.window_right,
             p.cu_seqlens_q,

@@ -1,9 +1,10 @@
-// Small sm90 helpers: register-layout views of WGMMA accumulators, fp32 -> 16-bit conversion, and the
-// warpgroup GEMM issue sequence.
+// Small sm90 helpers: register-layout views of WGMMA accumulators and the warpgroup GEMM issue sequence.
 #pragma once
 
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_conversion.h>
+
+#include "../common/fragment.hpp"  // convert_fragment
 
 namespace flash4 {
 
@@ -35,21 +36,6 @@ CUTE_HOST_DEVICE constexpr auto acc_as_a_operand_layout(Layout acc) {
   auto l = logical_divide(get<0>(acc), Shape<Underscore, Underscore, _2>{});  // (2, 2, (2, N/16))
   return make_layout(make_layout(get<0>(l), get<1>(l), get<2, 0>(l)), get<1>(acc),
                      coalesce(make_layout(get<2, 1>(l), get<2>(acc))));
-}
-
-// Converts an fp32 fragment into a 16-bit fragment of the same size, element by element in storage
-// order (pairs convert with one cvt.rn.{bf16x2,f16x2}.f32). dst may be a different view of the data.
-template <class TensorSrc, class TensorDst>
-CUTE_DEVICE void convert_fragment(TensorSrc const& src, TensorDst&& dst) {
-  using From = typename std::remove_reference_t<TensorSrc>::value_type;
-  using To = typename std::remove_reference_t<TensorDst>::value_type;
-  constexpr int kN = decltype(size(src))::value;
-  static_assert(kN % 2 == 0 && kN == decltype(size(dst))::value);
-  cutlass::NumericArrayConverter<To, From, 2> convert;
-  auto src2 = recast<cutlass::Array<From, 2> const>(src);
-  auto dst2 = recast<cutlass::Array<To, 2>>(dst);
-#pragma unroll
-  for (int i = 0; i < kN / 2; ++i) dst2(i) = convert(src2(i));
 }
 
 // Issues C (+)= A * B for this thread's warpgroup and commits it as one WGMMA batch.

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <random>
+#include <utility>
 
 #include "common/block_info.hpp"
 
@@ -33,6 +34,18 @@ void check(int sq, int sk, int left, int right) {
     return true;
   };
   const int m_blocks = (sq + M - 1) / M, n_blocks = (sk + N - 1) / N;
+  // Whether tile (m, n) holds any visible pair, and whether all its pairs (real query rows) are visible.
+  auto scan = [&](int m, int n) {
+    bool any = false, all = true;
+    for (int i = m * M; i < std::min(sq, (m + 1) * M); ++i) {
+      for (int j = n * N; j < (n + 1) * N; ++j) {
+        const bool v = visible(i, j);
+        any |= v;
+        all &= v;
+      }
+    }
+    return std::pair<bool, bool>{any, all};
+  };
   for (int i = 0; i < sq; ++i) {
     for (int j = 0; j < sk; ++j) CHECK(bm.masked(i, j) == !visible(i, j), "sq %d sk %d i %d j %d", sq, sk, i, j);
   }
@@ -41,14 +54,7 @@ void check(int sq, int sk, int left, int right) {
     const int lo = bm.n_block_min(m), hi = bm.n_block_max(m);
     const int right_min = bm.n_block_right_mask_min(m), left_max = bm.n_block_left_mask_max(m);
     for (int n = 0; n < n_blocks; ++n) {
-      bool any = false, all = true;
-      for (int i = m * M; i < std::min(sq, (m + 1) * M); ++i) {
-        for (int j = n * N; j < (n + 1) * N; ++j) {
-          const bool v = visible(i, j);
-          any |= v;
-          all &= v;
-        }
-      }
+      const auto [any, all] = scan(m, n);
       if (any) CHECK(lo <= n && n < hi, "fwd range: M %d N %d sq %d sk %d l %d r %d m %d n %d [%d,%d)", M, N, sq, sk,
                      left, right, m, n, lo, hi);
       // In the forward only the first visited block masks the key end; the others rely on these two bounds.
@@ -64,14 +70,7 @@ void check(int sq, int sk, int left, int right) {
   for (int n = 0; n < n_blocks; ++n) {
     const int lo = bm.m_block_min(n), hi = bm.m_block_max(n);
     for (int m = 0; m < m_blocks; ++m) {
-      bool any = false, all = true;
-      for (int i = m * M; i < std::min(sq, (m + 1) * M); ++i) {
-        for (int j = n * N; j < (n + 1) * N; ++j) {
-          const bool v = visible(i, j);
-          any |= v;
-          all &= v;
-        }
-      }
+      const auto [any, all] = scan(m, n);
       if (any) CHECK(lo <= m && m < hi, "bwd range: M %d N %d sq %d sk %d l %d r %d n %d m %d", M, N, sq, sk, left, right,
                      n, m);
       if (lo <= m && m < hi && !bm.tile_needs_mask(m, n)) {
