@@ -5,7 +5,9 @@
 
 Random weights from a config (no downloads), bf16, one batch of random tokens (no padding), AdamW. Both
 implementations start from the same weights; the first step's loss is compared (it sees identical
-weights), then the median step time over --steps steps (after --warmup) gives tokens/s.
+weights), then the median step time gives tokens/s. The two models take turns for --rounds rounds of --steps
+steps (the first round after --warmup steps each; the order alternates per round), so that clock and
+thermal drift over the run land on both alike; the per-round ratios show the spread.
 """
 
 from __future__ import annotations
@@ -20,24 +22,31 @@ from pathlib import Path
 import torch
 
 
-def step_times(model, ids, steps: int, warmup: int) -> tuple[float, list[float]]:
-    """(loss of the first step, per-step milliseconds after warmup)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    first_loss, times = None, []
-    for i in range(warmup + steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        end.record()
-        end.synchronize()
-        if first_loss is None:
-            first_loss = loss.item()
-        if i >= warmup:
-            times.append(start.elapsed_time(end))
-    return first_loss, times
+class Trainer:
+    """One model with its optimizer; run() times training steps with CUDA events."""
+
+    def __init__(self, model):
+        self.model = model
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        self.first_loss: float | None = None
+
+    def run(self, ids, steps: int, warmup: int = 0) -> list[float]:
+        """Per-step milliseconds of `steps` steps after `warmup` untimed ones."""
+        times = []
+        for i in range(warmup + steps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            loss = self.model(ids, labels=ids).loss
+            loss.backward()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            end.record()
+            end.synchronize()
+            if self.first_loss is None:
+                self.first_loss = loss.item()
+            if i >= warmup:
+                times.append(start.elapsed_time(end))
+        return times
 
 
 def profile_step(model, ids, rows: int = 25) -> None:
@@ -63,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3, help="turns each model takes (order alternates)")
     ap.add_argument("--out", type=Path, help="JSON file for the two records")
     ap.add_argument("--profile", action="store_true", help="print the top kernels of one step")
     args = ap.parse_args(argv)
@@ -86,29 +96,46 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     base = transformers.LlamaForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seqlen), device="cuda")
-    records = []
-    for impl in ("sdpa", hf.NAME):
+    impls = ("sdpa", hf.NAME)
+    trainers = {}
+    for impl in impls:
         model = copy.deepcopy(base)
         model.set_attn_implementation(impl)
         model.train()
-        loss, times = step_times(model, ids, args.steps, args.warmup)
-        ms = statistics.median(times)
+        trainers[impl] = Trainer(model)
+    times = {impl: [] for impl in impls}
+    for r in range(args.rounds):
+        order = impls if r % 2 == 0 else impls[::-1]
+        round_ms = {}
+        for impl in order:
+            t = trainers[impl].run(ids, args.steps, args.warmup if r == 0 else 0)
+            times[impl] += t
+            round_ms[impl] = statistics.median(t)
+        print(
+            f"round {r + 1}/{args.rounds}: "
+            + "  ".join(f"{impl} {round_ms[impl]:.2f} ms" for impl in impls)
+            + f"  fa4/sdpa {round_ms[impls[0]] / round_ms[impls[1]]:.3f}x tokens/s",
+            flush=True,
+        )
+    records = []
+    for impl in impls:
+        ms = statistics.median(times[impl])
         rec = {
             "impl": impl,
-            "loss_first_step": loss,
+            "loss_first_step": trainers[impl].first_loss,
             "step_ms": ms,
             "tokens_per_s": args.batch * args.seqlen / (ms * 1e-3),
             **{k: getattr(args, k) for k in ("hidden", "heads", "layers", "seqlen", "batch", "steps")},
+            "rounds": args.rounds,
             "gpu": torch.cuda.get_device_name(),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
         }
         records.append(rec)
         if args.profile:
-            profile_step(model, ids)
+            profile_step(trainers[impl].model, ids)
+        loss = rec["loss_first_step"]
         print(f"{impl:>5}: loss {loss:.5f}  step {ms:.1f} ms  {rec['tokens_per_s']:.0f} tokens/s", flush=True)
-        del model
-        torch.cuda.empty_cache()
     sdpa, ours = records
     print(
         f"fa4 / sdpa: {ours['tokens_per_s'] / sdpa['tokens_per_s']:.3f}x tokens/s, "

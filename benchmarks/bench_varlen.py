@@ -9,7 +9,8 @@ Rows, bf16, hdim 128, 16 heads (nheads * hdim = 2048 as in bench_fwd.py):
     attn_varlen call, against an equal-length batch (seqlen 4096) of the same total tokens; TFLOP/s from
     the FLOPs each call really does (sum over sequences of 4 * h * len^2 * d, halved when causal; backward
     2.5x), causal and not.
-Times: do_bench medians (bench_fwd.bench_ms). Backward: autograd.grad on a graph recorded once.
+Times: do_bench medians (bench_fwd.bench_ms). Backward: autograd.grad on a graph recorded once. The window
+cases take --rounds turns in alternating order and keep the median of their round medians.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 from pathlib import Path
 
@@ -49,28 +51,36 @@ def window_rows(args) -> list[dict]:
 
     s = args.window_seqlen
     q, k, v = (torch.randn(1, s, H, D, dtype=torch.bfloat16, device="cuda") for _ in range(3))
-    rows = []
-    for bwd in (False, True):
-        full = _timed(
-            lambda a, b, c: flash_attn4.attn(a, b, c, causal=True), q, k, v, bwd, args.warmup, args.rep
-        )
-        win = _timed(
-            lambda a, b, c: flash_attn4.attn(a, b, c, causal=True, window_size=(args.window, 0)),
-            q, k, v, bwd, args.warmup, args.rep,
-        )  # fmt: skip
+    cases = {
+        "full": dict(causal=True),
+        "window": dict(causal=True, window_size=(args.window, 0)),
         # The window kernel over (almost) the whole causal triangle: its per-block cost against the causal
         # kernel's, which separates kernel efficiency from the per-tile overheads of short rows.
-        probe = _timed(
-            lambda a, b, c: flash_attn4.attn(a, b, c, causal=True, window_size=(s - 2, 0)),
-            q, k, v, bwd, args.warmup, args.rep,
-        )  # fmt: skip
+        "probe": dict(causal=True, window_size=(s - 2, 0)),
+    }
+    rows = []
+    for bwd in (False, True):
+        # The cases take turns (order reversed every round) and each keeps its median over the rounds, so
+        # that clock and temperature drift during the run do not favour whichever ran first.
+        ms: dict[str, list[float]] = {name: [] for name in cases}
+        for r in range(args.rounds):
+            for name in list(cases)[:: 1 if r % 2 == 0 else -1]:
+                kw = cases[name]
+                ms[name].append(
+                    _timed(lambda a, b, c, kw=kw: flash_attn4.attn(a, b, c, **kw), q, k, v, bwd, args.warmup,
+                           args.window_rep)
+                )  # fmt: skip
+        full, win, probe = (statistics.median(ms[name]) for name in cases)
         rows.append({
             "impl": "flash_attn4", "kind": "window", "direction": "bwd" if bwd else "fwd", "hdim": D,
             "nheads": H, "seqlen": s, "causal": True, "window_left": args.window, "full_causal_ms": full,
             "window_ms": win, "speedup": full / win, "window_kernel_full_causal_ms": probe,
+            "rounds": args.rounds, "speedup_per_round": [f / w for f, w in zip(ms["full"], ms["window"])],
         })  # fmt: skip
+        spread = ", ".join(f"{f / w:.2f}" for f, w in zip(ms["full"], ms["window"]))
         print(f"window {'bwd' if bwd else 'fwd'}: causal {full:.3f} ms, window {args.window}: {win:.3f} ms, "
-              f"{full / win:.2f}x (window kernel, causal: {probe:.3f} ms)", flush=True)  # fmt: skip
+              f"{full / win:.2f}x (rounds: {spread}; window kernel, causal: {probe:.3f} ms)",
+              flush=True)  # fmt: skip
     return rows
 
 
@@ -168,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--equal-seqlen", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warmup", type=int, default=25)
-    ap.add_argument("--rep", type=int, default=100)
+    ap.add_argument("--rep", type=int, default=100, help="milliseconds of repetitions per varlen case")
+    ap.add_argument("--window-rep", type=int, default=600, help="milliseconds of repetitions per window case")
+    ap.add_argument("--rounds", type=int, default=3, help="turns of the window cases (order alternates)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot-only", type=Path, help="redraw the PNG of an existing JSON and exit")
     args = ap.parse_args(argv)

@@ -94,12 +94,37 @@ def _tma_ready(t: Tensor) -> Tensor:
     descriptor is not meant to describe overlapping rows. `clone`, not `contiguous`: the latter returns a
     misaligned or odd-strided size-1 tensor unchanged because it already counts as contiguous.
     """
-    ok = (
-        t.stride(-1) == 1
-        and all(s % 8 == 0 and (s != 0 or n == 1) for s, n in zip(t.stride()[:-1], t.shape[:-1]))
-        and t.data_ptr() % 16 == 0
+    if _tma_strides_ok(t) and t.data_ptr() % 16 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _tma_strides_ok(t: Tensor) -> bool:
+    """Last-dim stride 1, the others multiples of 8 elements and not 0 on a dim of size > 1."""
+    return t.stride(-1) == 1 and all(
+        s % 8 == 0 and (s != 0 or n == 1) for s, n in zip(t.stride()[:-1], t.shape[:-1])
     )
-    return t if ok else t.clone(memory_format=torch.contiguous_format)
+
+
+def _grad_like(t: Tensor) -> Tensor:
+    """An empty gradient buffer for input `t`: `t`'s own strides where the kernels can write them, else
+    contiguous.
+
+    A model hands over (batch, heads, seqlen, d) tensors transposed to (batch, seqlen, heads, d); their
+    gradients then come back in the model's layout and whatever runs next (RoPE's backward, AccumulateGrad)
+    reads them without a copy or a strided kernel. Depends only on shape and strides, so the fake kernels
+    use it too (compiled graphs see the real strides).
+    """
+    g = torch.empty_like(t)  # preserve_format: t's strides when t is dense and non-overlapping
+    return g if _tma_strides_ok(g) else torch.empty_like(t, memory_format=torch.contiguous_format)
+
+
+def _in_grad_layout(g: Tensor, like: Tensor) -> Tensor:
+    """`g` with the strides `_grad_like(like)` gives (the reference path's results, for the fake's sake)."""
+    target = _grad_like(like)
+    if target.stride() == g.stride():
+        return g
+    return target.copy_(g)
 
 
 def _kernel_options(plan: _Plan, softcap: float, varlen: Optional[dict]) -> dict:
@@ -190,12 +215,13 @@ def bwd_into(
     softcap: float = 0.0,
     varlen: Optional[dict] = None,
 ) -> None:
-    """Run the compiled sm90 backward kernel, writing dq, dk and dv.
+    """Run the compiled backward kernel, writing dq, dk and dv.
 
     Args:
         dout, out: (batch, seqlen_q, nheads_q, headdim) like q; lse: the forward's (batch, nheads_q,
             seqlen_q) float32 (packed batches: (total, heads, headdim) and (nheads_q, total_q)). dq: like q,
-            dk/dv: like k/v, contiguous; written (packed: rows of the sequences only).
+            dk/dv: like k/v, any strides the kernels can write (see `_grad_like`); written (packed: rows of
+            the sequences only).
         deterministic: bitwise-reproducible dq (key blocks add into it in a fixed order; slower).
         dlse: gradient of lse (same shape), or None for zero.
         window, softcap, varlen: as for `fwd_into`.
@@ -204,8 +230,11 @@ def bwd_into(
     if ext is None or not hasattr(ext, "bwd"):
         raise RuntimeError(why or "this build of flash_attn4._C has no backward kernels")
     for name, t, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
-        if t.shape != like.shape or t.dtype != like.dtype or not t.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous {like.dtype} tensor of shape {tuple(like.shape)}")
+        if t.shape != like.shape or t.dtype != like.dtype or not _tma_strides_ok(t) or t.data_ptr() % 16:
+            raise ValueError(
+                f"{name} must be a {like.dtype} tensor of shape {tuple(like.shape)}, 16-byte aligned, with a "
+                "contiguous last dim and the other strides multiples of 8 elements (a contiguous one will do)"
+            )
     d = q.shape[-1]
     dpad = _build_info.backward_padded_hdim(q.dtype, d, q.device)
     if dpad is None:
@@ -322,7 +351,7 @@ def bwd(
     plan, why = _kernel_plan(q, k, causal, window_left, window_right, softcap)
     if plan is not None:
         if _build_info.backward_padded_hdim(q.dtype, q.shape[-1], q.device) is not None:
-            dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+            dq, dk, dv = (_grad_like(t) for t in (q, k, v))
             bwd_into(
                 dout,
                 q,
@@ -360,12 +389,12 @@ def bwd(
         window_size=(window_left, window_right),
         softcap=softcap,
     )
-    return tuple(g.contiguous() for g in grads)
+    return tuple(_in_grad_layout(g, t) for g, t in zip(grads, (q, k, v)))
 
 
 @bwd.register_fake
 def _bwd_fake(dout, dlse, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap, det):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return _grad_like(q), _grad_like(k), _grad_like(v)
 
 
 def _setup_context(ctx, inputs, output) -> None:

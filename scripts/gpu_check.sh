@@ -10,7 +10,7 @@
 #
 # Env: SKIP_BUILD=1 (reuse flash_attn4/_C*.so), MAX_JOBS (default 16), TEST_ARGS (extra pytest args),
 #      TEST_TIMEOUT (seconds for the test suite, default 420),
-#      BENCH_ARGS (default --quick), FLASH_ATTN4_HDIMS / FLASH_ATTN4_DTYPES (passed to setup.py).
+#      BENCH_ARGS (default --quick), SKIP_BENCH=1, FLASH_ATTN4_HDIMS / FLASH_ATTN4_DTYPES (passed to setup.py).
 set -uo pipefail  # not -e: a failing build or test must still reach the summary
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
@@ -56,13 +56,15 @@ test_rc=$?
 note "tests: $(grep -E '(passed|failed|skipped|error|no tests ran).* in [0-9.]+s' "$LOG/test.log" | tail -n 1) (rc $test_rc)"
 
 # 4. A short benchmark; its JSON and PNG land in the log folder.
-# shellcheck disable=SC2086
-$PY benchmarks/bench_fwd.py ${BENCH_ARGS:---quick} --out "$LOG/bench_fwd.json" 2>&1 | tee "$LOG/bench.log"
-bench_rc=$?
-# shellcheck disable=SC2086
-$PY benchmarks/bench_fwd.py --bwd ${BENCH_ARGS:---quick} --out "$LOG/bench_bwd.json" 2>&1 | tee -a "$LOG/bench.log"
-bench_rc=$((bench_rc | $?))
-note "bench: rc $bench_rc (log $LOG/bench.log)"
+if [[ "${SKIP_BENCH:-0}" != 1 ]]; then
+  # shellcheck disable=SC2086
+  $PY benchmarks/bench_fwd.py ${BENCH_ARGS:---quick} --out "$LOG/bench_fwd.json" 2>&1 | tee "$LOG/bench.log"
+  bench_rc=$?
+  # shellcheck disable=SC2086
+  $PY benchmarks/bench_fwd.py --bwd ${BENCH_ARGS:---quick} --out "$LOG/bench_bwd.json" 2>&1 | tee -a "$LOG/bench.log"
+  bench_rc=$((bench_rc | $?))
+  note "bench: rc $bench_rc (log $LOG/bench.log)"
+fi
 
 echo
 echo "================ summary ================"

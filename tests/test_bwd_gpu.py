@@ -152,6 +152,26 @@ def test_opcheck_cuda_ops():
     torch.library.opcheck(torch.ops.flash_attn4.bwd.default, bwd_args)
 
 
+def test_gradients_of_transposed_inputs_keep_their_layout():
+    # HuggingFace passes (batch, heads, seqlen, d) tensors transposed: the kernels write dq/dk/dv in that
+    # layout (so nothing downstream copies them) and the values match the contiguous run bitwise.
+    torch.manual_seed(4)
+    dtype, d = DTYPES[0], BWD_HDIMS[0]
+    q = torch.randn(2, 4, 200, d, dtype=dtype, device=DEVICE).transpose(1, 2)
+    k, v = (torch.randn(2, 2, 173, d, dtype=dtype, device=DEVICE).transpose(1, 2) for _ in range(2))
+    args = (d**-0.5, True, -1, 0, 0.0, True)
+    out, lse = torch.ops.flash_attn4.fwd(q, k, v, *args)
+    dout = torch.randn_like(out)
+    grads = torch.ops.flash_attn4.bwd(dout, None, q, k, v, out, lse, *args)
+    plain = torch.ops.flash_attn4.bwd(
+        dout, None, q.contiguous(), k.contiguous(), v.contiguous(), out, lse, *args
+    )
+    for g, p, t in zip(grads, plain, (q, k, v)):
+        assert g.stride() == t.stride()
+        assert torch.equal(g, p)
+    torch.library.opcheck(torch.ops.flash_attn4.bwd.default, (dout, None, q, k, v, out, lse, *args))
+
+
 def test_compiled_training_step_matches_eager():
     # fullgraph: the forward and loss trace into one graph (fake impls), AOTAutograd builds the backward
     # graph through the registered autograd formula, so loss.backward() runs the bwd op compiled too.

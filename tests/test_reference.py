@@ -207,6 +207,18 @@ def test_opcheck_bwd():
         torch.library.opcheck(torch.ops.flash_attn4.bwd.default, args)
 
 
+def test_gradients_keep_a_transposed_inputs_layout():
+    # (batch, heads, seqlen, d) tensors handed over as .transpose(1, 2), as HuggingFace does: the gradients
+    # come back in that layout (no copy for whatever runs next), and the fake kernel says the same strides.
+    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in _qkv(2, 5, 7, 4, 2, 8))
+    out, lse = torch.ops.flash_attn4.fwd(q, k, v, 0.3, True, -1, 0, 0.0, False)
+    args = (torch.randn_like(out), None, q, k, v, out, lse, 0.3, True, -1, 0, 0.0, False)
+    grads = torch.ops.flash_attn4.bwd(*args)
+    for g, t in zip(grads, (q, k, v)):
+        assert g.stride() == t.stride()
+    torch.library.opcheck(torch.ops.flash_attn4.bwd.default, args)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     b=st.integers(1, 2),
