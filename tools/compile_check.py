@@ -30,7 +30,9 @@ import generate_kernels  # noqa: E402
 SPILL_BUDGET = {("fwd", 90): 0, ("bwd", 90): 16, ("fwd", 80): 0, ("bwd", 80): 64}
 
 
-def compile_one(nvcc: str, kernel: generate_kernels.Kernel, tmp: Path) -> tuple[bool, str]:
+def compile_one(
+    nvcc: str, kernel: generate_kernels.Kernel, tmp: Path, sass_archs: tuple[int, ...] = ()
+) -> tuple[bool, str]:
     # The generated .cu includes "../launch/...", so it must sit one level under csrc/.
     gen = ROOT / "csrc" / "instantiations_check"
     gen.mkdir(exist_ok=True)
@@ -39,7 +41,7 @@ def compile_one(nvcc: str, kernel: generate_kernels.Kernel, tmp: Path) -> tuple[
     cmd = [
         nvcc,
         *build_flags.NVCC_FLAGS,
-        build_flags.GENCODES[kernel.arch],
+        *(build_flags.GENCODES[a] for a in sorted({kernel.arch, *sass_archs})),
         *[f"-I{p}" for p in build_flags.include_dirs()],
         "-Xptxas=-v",
         "-c",
@@ -62,6 +64,10 @@ def main() -> int:
     ap.add_argument(
         "--only", help="comma-separated subset of fwd90,bwd90,fwd80,bwd80 (default: all but bwd80)"
     )
+    ap.add_argument("--keep", type=Path, help="keep the objects in this folder (for tools/sass_stats.py)")
+    ap.add_argument(
+        "--also-sm90", action="store_true", help="sm80 kernels: add the sm_90a code the build runs on Hopper"
+    )
     args = ap.parse_args()
     mask = "causal" if args.causal else args.mask
     causal, local = mask == "causal", mask == "local"
@@ -82,7 +88,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for kernel in kernels:
             t0 = time.time()
-            ok, out = compile_one(nvcc, kernel, Path(tmp))
+            ok, out = compile_one(nvcc, kernel, Path(tmp), (90,) if args.also_sm90 else ())
             if not ok:
                 print(out[-20000:])
                 print(f"[compile_check] {kernel.name} FAILED ({time.time() - t0:.0f} s)")
@@ -103,6 +109,9 @@ def main() -> int:
                     print(f"[compile_check] {kernel.name} FAILED: spills {spill.group(1)} bytes")
                     failed = True
             print(f"[compile_check] {kernel.name} compiled ({time.time() - t0:.0f} s)")
+            if args.keep:
+                args.keep.mkdir(parents=True, exist_ok=True)
+                shutil.copy(Path(tmp) / f"{kernel.name}.o", args.keep / f"{kernel.name}.o")
     shutil.rmtree(ROOT / "csrc" / "instantiations_check", ignore_errors=True)
     print("[compile_check] FAILED" if failed else "[compile_check] OK")
     return 1 if failed else 0
