@@ -33,7 +33,7 @@ def functions(sass: str) -> dict[str, list[tuple[int, str, str]]]:
     current = None
     arch = ""
     for line in sass.splitlines():
-        a = re.search(r"arch = (sm_\w+)", line)
+        a = re.search(r"(?:arch = |code for )(sm_\w+)", line)
         if a:
             arch = a.group(1)
         m = _FUNC.search(line)
