@@ -26,13 +26,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>
 $PY -c 'import torch; print(f"torch {torch.__version__} cuda {torch.version.cuda}")' 2>&1 | tee -a "$SUMMARY"
 
 # 1. Carried wheels into a private site dir (never over the system packages).
-shopt -s nullglob
-wheels=(.whl/nvidia_cutlass-*.whl .whl/ninja-*.whl)
-if ((${#wheels[@]})); then
-  $PY -m pip install -q --no-index --no-deps --target /tmp/fa4_site "${wheels[@]}"
-  export PYTHONPATH=/tmp/fa4_site${PYTHONPATH:+:$PYTHONPATH}
-  export PATH=/tmp/fa4_site/bin:$PATH
-fi
+# shellcheck source=carried_wheels.sh
+source scripts/carried_wheels.sh
 $PY -c 'import cutlass_library, os; print("cutlass_library:", os.path.dirname(cutlass_library.__file__))' \
   2>/dev/null | tee -a "$SUMMARY" || note "cutlass_library: not importable (the build needs it, or CUTLASS_INCLUDE_DIR)"
 

@@ -12,13 +12,8 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 LOG=${OUT:-build/gpu_sm80}
 mkdir -p "$LOG"
-shopt -s nullglob
-wheels=(.whl/nvidia_cutlass-*.whl .whl/ninja-*.whl)
-if ((${#wheels[@]})); then
-  $PY -m pip install -q --no-index --no-deps --target /tmp/fa4_site "${wheels[@]}"
-  export PYTHONPATH=/tmp/fa4_site${PYTHONPATH:+:$PYTHONPATH}
-  export PATH=/tmp/fa4_site/bin:$PATH
-fi
+# shellcheck source=carried_wheels.sh
+source scripts/carried_wheels.sh
 export FLASH_ATTN4_ARCHS=90,80
 export FLASH_ATTN4_HDIMS=${FLASH_ATTN4_HDIMS:-64,128}
 export FLASH_ATTN4_DTYPES=${FLASH_ATTN4_DTYPES:-bf16}

@@ -10,13 +10,7 @@
 // order with deterministic=True). Q and dO are double-buffered so the next block loads under this one's GEMMs.
 #pragma once
 
-#include <cute/algorithm/copy.hpp>
-#include <cute/atom/copy_atom.hpp>
-#include <cute/atom/mma_atom.hpp>
-#include <cute/tensor.hpp>
-#include <cutlass/numeric_types.h>
-
-#include <type_traits>
+#include "sm80_building_blocks.hpp"
 
 namespace flash4 {
 
@@ -33,18 +27,15 @@ struct BwdTraitsSm80 {
   static constexpr int kStages = 2;  // Q / dO buffers
   static_assert(kHeadDim % 32 == 0 && kHeadDim <= 128, "the sm80 backward covers head dims 32..128");
 
-  using MmaAtom = std::conditional_t<std::is_same_v<Element, cutlass::half_t>,
-                                     MMA_Atom<SM80_16x8x16_F32F16F16F32_TN>, MMA_Atom<SM80_16x8x16_F32BF16BF16F32_TN>>;
+  using MmaAtom = Sm80MmaAtom<Element>;
   // Rows = keys: S^T, dP^T, dV, dK. 8 warps x 16 keys.
   using TiledMmaKey = TiledMMA<MmaAtom, Layout<Shape<_8, _1, _1>>, Tile<_128, _16, _16>>;
   // Rows = queries: dQ. 4 x 2 warps over (64 queries, head_dim).
   // N tile 32: each warp covers 16 head-dim columns, the width a transposing ldmatrix.x4 loads for B.
   using TiledMmadQ = TiledMMA<MmaAtom, Layout<Shape<_4, _2, _1>>, Tile<_64, _32, _16>>;
 
-  static constexpr int kAtomCols = kHeadDim % 64 == 0 ? 64 : 32;
-  static constexpr int kSwizzleBits = kAtomCols == 64 ? 3 : 2;
-  using SmemLayoutAtom = decltype(composition(Swizzle<kSwizzleBits, 3, 3>{},
-                                              Layout<Shape<_8, Int<kAtomCols>>, Stride<Int<kAtomCols>, _1>>{}));
+  using Tiling = Sm80SmemTiling<Element, kHeadDim, kNumThreads>;
+  using SmemLayoutAtom = typename Tiling::SmemLayoutAtom;
   using SmemLayoutKV = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));  // one stage
   // Transposed views, read with transposing ldmatrix: Q^T and dO^T (head_dim, queries), K^T (head_dim, keys).
@@ -63,11 +54,7 @@ struct BwdTraitsSm80 {
   using SmemCopyAtomT = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
   using SmemCopyAtomdS = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<32>, Element>;
 
-  static constexpr int kThreadsPerRow = kAtomCols / 8;
-  using GmemThreadLayout =
-      Layout<Shape<Int<kNumThreads / kThreadsPerRow>, Int<kThreadsPerRow>>, Stride<Int<kThreadsPerRow>, _1>>;
-  using GmemTiledCopy = decltype(make_tiled_copy(Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Element>{},
-                                                 GmemThreadLayout{}, Layout<Shape<_1, _8>>{}));
+  using GmemTiledCopy = typename Tiling::GmemTiledCopy;
 
   static constexpr int kElemsKV = cosize_v<SmemLayoutKV>;
   static constexpr int kElemsQ = cosize_v<SmemLayoutQ>;
