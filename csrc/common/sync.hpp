@@ -1,5 +1,5 @@
 // Counters that order work between CTAs (deterministic dQ): a gpu-scope acquire load and release increment
-// (sm70 and later, so both kernel families use them).
+// (sm70 and later, so both kernel families use them); and a fire-and-forget fp32 reduction.
 #pragma once
 
 #include <cute/config.hpp>
@@ -14,6 +14,12 @@ CUTE_DEVICE int load_acquire_gpu(const int* p) {
 
 CUTE_DEVICE void release_increment_gpu(int* p) {
   asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(p) : "memory");
+}
+
+// atomicAdd whose result is unused usually compiles to RED too; the explicit form guarantees that no warp
+// waits for a returned value.
+CUTE_DEVICE void red_add_f32(float* p, float v) {
+  asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p), "f"(v) : "memory");
 }
 
 }  // namespace flash4

@@ -15,11 +15,13 @@ template <DType kDType, int kHeadDim, bool kCausal, bool kLocal>
 void run_bwd_sm80(const BwdParams& p, cudaStream_t stream) {
   static_assert(!kLocal, "the sm80 backward has no sliding-window kernel yet (the generator never asks for one)");
   using Element = CutlassElement<kDType>;
-  using Kernel = BwdKernelSm80<BwdTraitsSm80<Element, kHeadDim>, kCausal>;
+  using Traits = BwdTraitsSm80<Element, kHeadDim>;
+  using Kernel = BwdKernelSm80<Traits, kCausal>;
   bwd_preprocess_kernel<Element, kHeadDim><<<prepost_grid<kHeadDim>(p), kPrePostThreads, 0, stream>>>(p);
   check_cuda(cudaGetLastError(), "sm80 backward pre-pass launch");
   launch_kernel<Kernel>(kernel_entry_sm80<Kernel>, p, stream, "sm80 backward kernel launch");
-  bwd_postprocess_sm80_kernel<Element, kHeadDim><<<prepost_grid<kHeadDim>(p), kPrePostThreads, 0, stream>>>(p);
+  const dim3 post_grid(p.seqlen_q_rounded / Traits::kBlockM, p.nheads_q, p.batch);
+  bwd_postprocess_sm80_kernel<Traits><<<post_grid, Traits::kNumThreads, 0, stream>>>(p);
   check_cuda(cudaGetLastError(), "sm80 backward post-pass launch");
 }
 

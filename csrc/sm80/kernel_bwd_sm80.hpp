@@ -1,9 +1,11 @@
 // sm80 backward kernel (see kernel_traits_bwd_sm80.hpp for the math and the tiling): one CTA per (key
 // block, kv head, batch). Per query block, with Q, dO, lse_log2 and D of this block already in shared memory:
-//   wait; prefetch the next block's Q, dO (cp.async) and lse_log2, D into the other buffer;
-//   S^T = K Q^T, dP^T = V dO^T;  P^T, dS^T in registers;  dV += P^T dO;  dS^T -> shared memory;
-//   dK += dS^T Q;  dQ = dS K, added into dq_accum.
-// The pre-pass (common/bwd_prepost.cuh) and the plain post-pass below bracket it.
+//   wait;  S^T = K Q^T, dP^T = V dO^T;  prefetch the next block's Q, dO, lse_log2 and D (all cp.async) into
+//   the other buffer;  P^T, dS^T in registers;  dV += P^T dO;  dS^T -> shared memory;
+//   dQ = dS K, reduce-added into dq_accum;  dK += dS^T Q (its MMAs run while the reductions drain).
+// dq_accum holds each 64-row block in the dQ accumulator's register order (element e of thread t at
+// e * kNumThreads + t), so one warp-wide reduction covers one 128-byte line; the post-pass below reads it back
+// with the same partition. The pre-pass (common/bwd_prepost.cuh) and that post-pass bracket the kernel.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -96,9 +98,9 @@ struct BwdKernelSm80 {
       copy_rows(gmem_copy, gthr.partition_S(gV), tVsV, cKV, seqlen_k - n_block * kBlockN);
     }
 
-    // Step t covers query head bidh_kv * head_ratio + t / num_m, query block m_min + t % num_m.
-    auto load_step = [&](int t, int s) {
-      const int bidh = bidh_kv * head_ratio + t / num_m, m_block = m_min + t % num_m;
+    // Step t covers query head bidh_kv * head_ratio + t / num_m, query block m_min + t % num_m; the loop
+    // below walks (bidh, m_block) incrementally instead of dividing every step.
+    auto load_step = [&](int bidh, int m_block, int s) {
       Tensor mQ = gtensor(p.q, p.q_batch_stride, bidh * p.q_head_stride, p.q_row_stride, seqlen_q);
       Tensor mdO = gtensor(p.dout, p.dout_batch_stride, bidh * p.dout_head_stride, p.dout_row_stride, seqlen_q);
       Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, _0{}));
@@ -110,14 +112,15 @@ struct BwdKernelSm80 {
       Tensor tdOsdO = gthr.partition_D(sdO);
       copy_rows(gmem_copy, gthr.partition_S(gQ), tQsQ, cQ, seqlen_q - m_block * kBlockM);
       copy_rows(gmem_copy, gthr.partition_S(gdO), tdOsdO, cQ, seqlen_q - m_block * kBlockM);
-      // lse_log2 and D: rows up to the 128-row padding exist in the scratch (+inf and 0 past seqlen_q).
+      // lse_log2 and D: rows up to the 128-row padding exist in the scratch (+inf and 0 past seqlen_q). In the
+      // same cp.async group as Q and dO: a plain load here stalled the issuing warps on global latency.
       if (tid < kBlockM) {
         const int64_t row = bidb * p.accum_batch_stride + bidh * p.accum_head_stride + m_block * kBlockM + tid;
-        row_base[(2 * s) * kBlockM + tid] = p.lse_log2[row];
-        row_base[(2 * s + 1) * kBlockM + tid] = p.dpsum[row];
+        SM80_CP_ASYNC_CACHEALWAYS<float>::copy(p.lse_log2[row], row_base[(2 * s) * kBlockM + tid]);
+        SM80_CP_ASYNC_CACHEALWAYS<float>::copy(p.dpsum[row], row_base[(2 * s + 1) * kBlockM + tid]);
       }
     };
-    if (steps > 0) load_step(0, 0);
+    if (steps > 0) load_step(bidh_kv * head_ratio, m_min, 0);
     cp_async_fence();
 
     typename Traits::TiledMmaKey mma;
@@ -154,16 +157,15 @@ struct BwdKernelSm80 {
     auto copy_dq_b = make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, mma_dq);
     Tensor tdQsdS = copy_dq_a.get_thread_slice(tid).partition_S(sdS);
     Tensor tdQsKt = copy_dq_b.get_thread_slice(tid).partition_S(sKt);
-    Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
 
+    int bidh = bidh_kv * head_ratio, m_block = m_min;
 #pragma unroll 1
     for (int t = 0; t < steps; ++t) {
       const int s = t & 1;
-      const int bidh = bidh_kv * head_ratio + t / num_m, m_block = m_min + t % num_m;
+      const bool last_of_head = m_block + 1 == m_max;
+      const int next_bidh = last_of_head ? bidh + 1 : bidh, next_m_block = last_of_head ? m_min : m_block + 1;
       cp_async_wait<0>();
       __syncthreads();  // this step's tiles visible; every warp is done with the other buffer and with dS
-      if (t + 1 < steps) load_step(t + 1, s ^ 1);
-      cp_async_fence();
 
       Tensor sQ = make_tensor(make_smem_ptr(stage_ptr(s, 0)), typename Traits::SmemLayoutQ{});
       Tensor sdO = make_tensor(make_smem_ptr(stage_ptr(s, 1)), typename Traits::SmemLayoutQ{});
@@ -178,22 +180,29 @@ struct BwdKernelSm80 {
       clear(tSrdP);
       gemm_smem(mma, tSrK, tSrQ, tSrS, tSsK, copy_b.get_thread_slice(tid).partition_S(sQ), copy_a, copy_b);
       gemm_smem(mma, tSrV, tSrQ, tSrdP, tSsV, copy_b.get_thread_slice(tid).partition_S(sdO), copy_a, copy_b);
+      // The next block's loads go out behind the first GEMMs, not right after the barrier, where every warp
+      // would issue their address arithmetic at once while the tensor cores wait.
+      if (t + 1 < steps) load_step(next_bidh, next_m_block, s ^ 1);
+      cp_async_fence();
 
       // P^T = exp2(S^T * scale_log2 - lse_log2[q]) (0 where masked), dS^T = P^T * (dP^T - D[q]).
       Tensor tSrS_rc = make_tensor(tSrS.data(), sm80_acc_rowcol_layout(tSrS.layout()));
       Tensor tSrdP_rc = make_tensor(tSrdP.data(), sm80_acc_rowcol_layout(tSrdP.layout()));
+      // One loop with a run-time mask test: two copies (masked / unmasked, a uniform branch) made ptxas spill
+      // 16-24 bytes at hdim 128 (0 with one copy).
       const bool need_mask = bm.tile_needs_mask(m_block, n_block);
 #pragma unroll
-      for (int r = 0; r < size<0>(tSrS_rc); ++r) {
+      for (int c = 0; c < size<1>(tSrS_rc); ++c) {
+        const int query = get<1>(tScS_rc(0, c));  // a column is one query for every row of this thread
+        const float lse = lse_s[query], dpsum = dpsum_s[query];
 #pragma unroll
-        for (int c = 0; c < size<1>(tSrS_rc); ++c) {
-          const int query = get<1>(tScS_rc(r, c));
-          float prob = exp2_approx(fmaf(tSrS_rc(r, c), p.softmax_scale_log2, -lse_s[query]));
+        for (int r = 0; r < size<0>(tSrS_rc); ++r) {
+          float prob = exp2_approx(fmaf(tSrS_rc(r, c), p.softmax_scale_log2, -lse));
           if (need_mask && bm.masked(m_block * kBlockM + query, n_block * kBlockN + get<0>(tScS_rc(r, c)))) {
             prob = 0.f;
           }
           tSrS_rc(r, c) = prob;
-          tSrdP_rc(r, c) = prob * (tSrdP_rc(r, c) - dpsum_s[query]);
+          tSrdP_rc(r, c) = prob * (tSrdP_rc(r, c) - dpsum);
         }
       }
       Tensor tPrP = make_tensor_like<Element>(tSrS);
@@ -205,14 +214,13 @@ struct BwdKernelSm80 {
 
       gemm_rs(mma, tPrP_a, tdKrQt, tdVrdV, copy_bt.get_thread_slice(tid).partition_S(sdOt), copy_bt);  // dV
       copy(copy_ds, thr_copy_ds.retile_S(tdSrdS), tdSsdSt);
-      gemm_rs(mma, tdSrdS_a, tdKrQt, tdKrdK, copy_bt.get_thread_slice(tid).partition_S(sQt), copy_bt);  // dK
       __syncthreads();  // dS^T complete in shared memory
 
       Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
       clear(tdQrdQ);
       gemm_smem(mma_dq, tdQrdS, tdQrKt, tdQrdQ, tdQsdS, tdQsKt, copy_dq_a, copy_dq_b);
 
-      // dQ into dq_accum (rows up to the 128-row padding exist, so no row check). Deterministic: in turn.
+      // dQ into dq_accum in register order (see the top of this file). Deterministic: in turn.
       const int64_t row0 = bidb * p.accum_batch_stride + bidh * p.accum_head_stride;
       int* semaphore = p.dq_semaphore ? p.dq_semaphore + row0 / kBlockM + m_block : nullptr;
       if (semaphore != nullptr) {
@@ -222,16 +230,18 @@ struct BwdKernelSm80 {
         }
         __syncthreads();
       }
-      float* dq_accum = p.dq_accum + (row0 + int64_t(m_block) * kBlockM) * kHeadDim;
+      float* dq_accum = p.dq_accum + (row0 + int64_t(m_block) * kBlockM) * kHeadDim + tid;
 #pragma unroll
-      for (int e = 0; e < size(tdQrdQ); ++e) {
-        atomicAdd(dq_accum + get<0>(tdQcdQ(e)) * kHeadDim + get<1>(tdQcdQ(e)), tdQrdQ(e));
-      }
+      for (int e = 0; e < size(tdQrdQ); ++e) red_add_f32(dq_accum + e * kNumThreads, tdQrdQ(e));
       if (semaphore != nullptr) {
         __threadfence();
         __syncthreads();
         if (tid == 0) release_increment_gpu(semaphore);
       }
+
+      gemm_rs(mma, tdSrdS_a, tdKrQt, tdKrdK, copy_bt.get_thread_slice(tid).partition_S(sQt), copy_bt);  // dK
+      bidh = next_bidh;
+      m_block = next_m_block;
     }
 
     cp_async_wait<0>();  // a key block no query sees skipped the loop with its K/V copies still in flight
@@ -249,25 +259,46 @@ struct BwdKernelSm80 {
   }
 };
 
-// dq = dq_accum * softmax_scale: dq_accum is plain row-major here (the sm90 kernel permutes its blocks).
-// Grid as the pre-pass: prepost_grid<kHeadDim>, kPreThreadsPerRow lanes per row, 8 columns each.
-template <class Element, int kHeadDim>
-__global__ void __launch_bounds__(kPrePostThreads) bwd_postprocess_sm80_kernel(const BwdParams p) {
-  constexpr int kThreads = kPreThreadsPerRow<kHeadDim>;
-  const int bidh = blockIdx.y, bidb = blockIdx.z;
-  const int row = blockIdx.x * kPreRowsPerCta<kHeadDim> + threadIdx.x / kThreads;
-  const int col = (threadIdx.x % kThreads) * 8;
-  if (row >= p.seqlen_q || col >= kHeadDim) return;
-  const int64_t acc_row = bidb * p.accum_batch_stride + bidh * p.accum_head_stride + row;
-  const float4* acc = reinterpret_cast<const float4*>(p.dq_accum + acc_row * kHeadDim + col);
-  const float4 a = acc[0], b = acc[1];
-  cutlass::Array<float, 8> f;
-  f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+// dq = dq_accum * softmax_scale. One CTA per (64-row block, head, batch) with the main kernel's threads: each
+// reads its dQ elements back from the register order (coalesced) and recovers their (row, column) from the
+// same TiledMma partition; the converted pairs meet in a padded shared tile and leave as 16-byte row pieces.
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kNumThreads) bwd_postprocess_sm80_kernel(const BwdParams p) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim, kThreads = Traits::kNumThreads;
+  constexpr int kPitch = kHeadDim + 8;  // 16 bytes of padding: a warp's pair stores hit 32 banks
+  constexpr int kVecs = kHeadDim / 8;   // 16-byte pieces per row
+  __shared__ alignas(16) Element tile[kBlockM * kPitch];
+  const int m_block = blockIdx.x, bidh = blockIdx.y, bidb = blockIdx.z, tid = threadIdx.x;
+  if (m_block * kBlockM >= p.seqlen_q) return;
+  typename Traits::TiledMmadQ mma_dq;
+  Tensor cdQ = mma_dq.get_thread_slice(tid).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  const float* acc = p.dq_accum + (bidb * p.accum_batch_stride + bidh * p.accum_head_stride +
+                                   int64_t(m_block) * kBlockM) * kHeadDim + tid;
+  float a[size(cdQ)];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) f[i] *= p.softmax_scale;
-  Element* dq = static_cast<Element*>(p.dq) + bidb * p.dq_batch_stride + row * p.dq_row_stride +
-                bidh * p.dq_head_stride + col;
-  *reinterpret_cast<cutlass::Array<Element, 8>*>(dq) = cutlass::NumericArrayConverter<Element, float, 8>{}(f);
+  for (int e = 0; e < size(cdQ); ++e) a[e] = acc[e * kThreads];
+  cutlass::NumericArrayConverter<Element, float, 2> convert;
+#pragma unroll
+  for (int e = 0; e < size(cdQ); e += 2) {
+    // Elements e and e + 1 are adjacent columns (even first) of one row.
+    cutlass::Array<float, 2> f;
+    f[0] = a[e] * p.softmax_scale;
+    f[1] = a[e + 1] * p.softmax_scale;
+    *reinterpret_cast<cutlass::Array<Element, 2>*>(&tile[get<0>(cdQ(e)) * kPitch + get<1>(cdQ(e))]) = convert(f);
+  }
+  __syncthreads();
+  Element* dq = static_cast<Element*>(p.dq) + bidb * p.dq_batch_stride + bidh * p.dq_head_stride +
+                int64_t(m_block) * kBlockM * p.dq_row_stride;
+  const int rows = min(kBlockM, p.seqlen_q - m_block * kBlockM);
+#pragma unroll
+  for (int i = tid; i < kBlockM * kVecs; i += kThreads) {
+    const int row = i / kVecs, c = i % kVecs;
+    if (row < rows) {
+      *reinterpret_cast<uint4*>(dq + row * p.dq_row_stride + c * 8) =
+          *reinterpret_cast<const uint4*>(&tile[row * kPitch + c * 8]);
+    }
+  }
 }
 
 }  // namespace flash4
