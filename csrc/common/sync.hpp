@@ -1,5 +1,5 @@
 // Counters that order work between CTAs (deterministic dQ): a gpu-scope acquire load and release increment
-// (sm70 and later, so both kernel families use them).
+// (sm70 and later, so both kernel families use them); and fire-and-forget fp32 reductions.
 #pragma once
 
 #include <cute/config.hpp>
@@ -14,6 +14,14 @@ CUTE_DEVICE int load_acquire_gpu(const int* p) {
 
 CUTE_DEVICE void release_increment_gpu(int* p) {
   asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(p) : "memory");
+}
+
+// An atomicAdd whose result is unused should compile to a reduction (REDG), but inside the sm90 wide backward
+// ptxas emitted value-returning ATOMG: each holds four registers until L2 answers, and the warp stalls when
+// it needs them. The explicit forms cannot return anything.
+CUTE_DEVICE void red_add_f32x4(float4* p, float4 v) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w)
+               : "memory");
 }
 
 }  // namespace flash4
