@@ -580,8 +580,8 @@ struct BwdKernelSm90 {
         float4* dst = reinterpret_cast<float4*>(dq_accum + int64_t(m_block) * kBlockM * kHeadDim);
 #pragma unroll
         for (int e = 0; e < size(tdQrdQ); e += 4) {
-          atomicAdd(dst + (e / 4) * 128 + wg_thread,
-                    make_float4(tdQrdQ(e), tdQrdQ(e + 1), tdQrdQ(e + 2), tdQrdQ(e + 3)));
+          red_add_f32x4(dst + (e / 4) * 128 + wg_thread,
+                        make_float4(tdQrdQ(e), tdQrdQ(e + 1), tdQrdQ(e + 2), tdQrdQ(e + 3)));
         }
         if (semaphore != nullptr) {
           __threadfence();
