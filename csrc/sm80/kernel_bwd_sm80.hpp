@@ -17,6 +17,7 @@
 #include "../common/fragment.hpp"
 #include "../common/softmax.hpp"  // exp2_approx
 #include "../common/sync.hpp"
+#include "../common/tile_order.hpp"
 #include "../params.h"
 #include "kernel_fwd_sm80.hpp"  // copy_rows, gemm_smem, gemm_rs, accumulator views
 #include "kernel_traits_bwd_sm80.hpp"
@@ -52,9 +53,11 @@ struct BwdKernelSm80 {
 
   CUTE_DEVICE void operator()(Params const& p, char* smem_buf) const {
     // Causal + deterministic: key blocks start from the last, so that each CTA waits only for earlier ones.
+    // Causal launches take heads in groups (tile_order.hpp); within a head the order above still holds.
+    const TileCoord tile = this_tile<kHeadDim, kCausal>();
     const bool reversed = kCausal && p.dq_semaphore != nullptr;
-    const int n_block = reversed ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
-    const int bidh_kv = blockIdx.y, bidb = blockIdx.z;
+    const int n_block = reversed ? int(gridDim.x) - 1 - tile.block : tile.block;
+    const int bidh_kv = tile.head, bidb = tile.batch;
     const int tid = threadIdx.x;
     const int head_ratio = p.nheads_q / p.nheads_kv;
     const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k;

@@ -15,6 +15,7 @@
 #include "../common/block_info.hpp"
 #include "../common/mask.hpp"
 #include "../common/softmax.hpp"
+#include "../common/tile_order.hpp"
 #include "../params.h"
 #include "kernel_traits_fwd_sm80.hpp"
 
@@ -118,8 +119,10 @@ struct FwdKernelSm80 {
   }
 
   CUTE_DEVICE void operator()(Params const& p, char* smem_buf) const {
-    const int m_block = kCausal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);  // heavy tiles first
-    const int bidh = blockIdx.y, bidb = blockIdx.z;
+    // Causal: heavy tiles first, heads in groups (tile_order.hpp).
+    const TileCoord tile = this_tile<kHeadDim, kCausal>();
+    const int m_block = kCausal ? int(gridDim.x) - 1 - tile.block : tile.block;
+    const int bidh = tile.head, bidb = tile.batch;
     const int bidh_kv = bidh / (p.nheads_q / p.nheads_kv);
     const int tid = threadIdx.x;
     const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k;

@@ -18,6 +18,7 @@
 #include "../common/mask.hpp"     // tanh_approx
 #include "../common/softmax.hpp"  // exp2_approx
 #include "../common/sync.hpp"
+#include "../common/tile_order.hpp"
 #include "../params.h"
 #include "kernel_traits_bwd_sm90.hpp"
 #include "utils_sm90.hpp"
@@ -636,9 +637,11 @@ struct BwdKernelSm90 {
     // Launching the key blocks in that order means every CTA waits only for CTAs launched before it; in
     // ascending order a sequence with more key blocks than resident CTAs would have every resident CTA
     // waiting for one that cannot start (a hang). Otherwise ascending: the heavy causal blocks go first.
+    // Masked launches take heads in groups (tile_order.hpp); within a head the order above still holds.
+    const TileCoord tile = this_tile<kHeadDim, kCausal || kLocal>();
     const bool reversed = kCausal && params.dq_semaphore != nullptr;
-    const int n_block = reversed ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
-    const int bidh_kv = blockIdx.y, bidb = blockIdx.z;
+    const int n_block = reversed ? int(gridDim.x) - 1 - tile.block : tile.block;
+    const int bidh_kv = tile.head, bidb = tile.batch;
     const Seq seq = seq_of(params, bidb);
     // Packed batches: the grid covers the longest sequence; blocks past this one's keys have nothing to do.
     if (n_block * kBlockN >= seq.info.seqlen_k) return;

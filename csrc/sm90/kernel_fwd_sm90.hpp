@@ -12,6 +12,7 @@
 
 #include "../common/block_info.hpp"
 #include "../common/softmax.hpp"
+#include "../common/tile_order.hpp"
 #include "epilogue_fwd_sm90.hpp"
 #include "mainloop_fwd_sm90.hpp"
 
@@ -67,10 +68,12 @@ struct FwdKernelSm90 {
     typename Traits::PipelineV pipeline_v(smem.pipeline_v, pipe_params, Shape<_1, _1, _1>{});
     __syncthreads();
 
-    // Causal tiles near the bottom see the most keys: launch them first (blockIdx.x is scheduled first).
-    const int m_block = kCausal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
-    const int bidh = blockIdx.y;
-    const int bidb = blockIdx.z;
+    // Masked launches: heads in groups, the heaviest tiles of a group first (tile_order.hpp). Causal and
+    // window tiles near the bottom see the most keys.
+    const TileCoord tile = this_tile<Traits::kHeadDim, kCausal || kLocal>();
+    const int m_block = (kCausal || kLocal) ? int(gridDim.x) - 1 - tile.block : tile.block;
+    const int bidh = tile.head;
+    const int bidb = tile.batch;
     const SeqInfo seq = Mainloop::seq_info(params.mainloop, bidb);
     // Packed batches: the grid covers the longest sequence; tiles past this one's end have nothing to do.
     if (m_block * Traits::kBlockM >= seq.seqlen_q) return;

@@ -1,0 +1,81 @@
+// Host check of csrc/common/tile_order.hpp: the grouped launch order of masked grids is a bijection onto the
+// (block, head, batch) tiles, every head sees its blocks in launch order 0, 1, 2, ... (what the deterministic
+// backward's reversed key order relies on: key block n + 1 launches before n), groups are balanced, and a
+// group's tiles are contiguous in launch order.
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "common/tile_order.hpp"
+
+static int failures = 0;
+#define CHECK(cond, ...)                  \
+  do {                                    \
+    if (!(cond)) {                        \
+      if (failures++ < 20) {              \
+        std::printf("FAIL: " __VA_ARGS__); \
+        std::printf("\n");                \
+      }                                   \
+    }                                     \
+  } while (0)
+
+template <int kHeadDim>
+void check(int blocks, int heads, int batch) {
+  const int total = blocks * heads * batch;
+  std::vector<int> seen(total, 0), next_block(heads * batch, 0);
+  for (int linear = 0; linear < total; ++linear) {
+    const flash4::TileCoord t = flash4::grouped_tile_order<kHeadDim>(linear, blocks, heads, batch);
+    CHECK(t.block >= 0 && t.block < blocks && t.head >= 0 && t.head < heads && t.batch >= 0 && t.batch < batch,
+          "out of range d%d %dx%dx%d linear %d -> (%d,%d,%d)", kHeadDim, blocks, heads, batch, linear, t.block,
+          t.head, t.batch);
+    if (failures) return;
+    const int hb = t.batch * heads + t.head;
+    seen[(hb * blocks) + t.block]++;
+    CHECK(t.block == next_block[hb], "d%d %dx%dx%d: head-batch %d got block %d, expected %d", kHeadDim, blocks,
+          heads, batch, hb, t.block, next_block[hb]);
+    next_block[hb] = t.block + 1;
+  }
+  for (int i = 0; i < total; ++i) {
+    CHECK(seen[i] == 1, "d%d %dx%dx%d: tile %d seen %d times", kHeadDim, blocks, heads, batch, i, seen[i]);
+  }
+  // Balanced, contiguous groups: walking the launch order, the set of head-batches in flight changes only at
+  // group boundaries, and group sizes differ by at most one.
+  std::vector<int> sizes;
+  int linear = 0;
+  while (linear < total) {
+    int size = 0;
+    while (linear + size < total &&
+           flash4::grouped_tile_order<kHeadDim>(linear + size, blocks, heads, batch).block == 0) {
+      ++size;
+    }
+    CHECK(size > 0, "empty group at %d", linear);
+    if (size == 0) return;
+    sizes.push_back(size);
+    linear += size * blocks;
+  }
+  CHECK(linear == total, "d%d %dx%dx%d: groups do not tile the grid", kHeadDim, blocks, heads, batch);
+  int lo = total, hi = 0;
+  for (int s : sizes) lo = s < lo ? s : lo, hi = s > hi ? s : hi;
+  CHECK(hi - lo <= 1, "d%d %dx%dx%d: group sizes %d..%d", kHeadDim, blocks, heads, batch, lo, hi);
+}
+
+int main() {
+  const int blocks[] = {1, 2, 3, 7, 8, 16, 31, 32, 64, 100, 256, 513};
+  const int heads[] = {1, 2, 3, 5, 16, 32, 48};
+  const int batches[] = {1, 2, 3, 8};
+  int cases = 0;
+  for (int n : blocks)
+    for (int h : heads)
+      for (int b : batches) {
+        check<64>(n, h, b);
+        check<128>(n, h, b);
+        check<256>(n, h, b);
+        cases += 3;
+      }
+  if (failures) {
+    std::printf("%d failures\n", failures);
+    return 1;
+  }
+  std::printf("%d grids: all checks passed\n", cases);
+  return 0;
+}
