@@ -108,7 +108,7 @@ def main() -> int:
     ap.add_argument("--bench-only", action="store_true")
     ap.add_argument("--root", default=None, help="source tree whose flash_attn4/_C*.so to load")
     ap.add_argument("--seqlens", default="1024,4096,8192")
-    ap.add_argument("--small", action="store_true", help="two small shapes at the first hdim (sanitizers)")
+    ap.add_argument("--small", action="store_true", help="two small shapes at the smallest and largest hdim built (sanitizers)")
     ap.add_argument("--deterministic", action="store_true", help="pass deterministic=True to the binding")
     args = ap.parse_args()
     C = load_extension(args.root)
@@ -133,8 +133,10 @@ def main() -> int:
                 )
                 ok &= same
     if args.small:
-        ok &= check(C, 1, 128, 128, 1, 1, hdims[0], False, torch.bfloat16, det)
-        ok &= check(C, 2, 113, 203, 4, 2, hdims[0], True, torch.bfloat16, det)
+        # The smallest and the largest head dim built: the narrow and (above 128) the wide backward kernel.
+        for d in sorted({hdims[0], hdims[-1]}):
+            ok &= check(C, 1, 128, 128, 1, 1, d, False, torch.bfloat16, det)
+            ok &= check(C, 2, 113, 203, 4, 2, d, True, torch.bfloat16, det)
         return 0 if ok else 1
     for d in [] if args.bench_only else hdims:
         for causal in (False, True):
