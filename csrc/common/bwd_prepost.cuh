@@ -1,7 +1,7 @@
 // The backward's pre-pass (arch-independent CUDA, a few lanes per query row of each sequence): D =
 // rowsum(dout * out) - dlse, lse in log2 units (+inf where exp must give 0). A memory-bound pass over (batch, heads,
-// seqlen_q, head_dim) with 16-byte loads. The post-pass depends on the order in which the main kernel
-// leaves dq_accum, so it lives beside that kernel (sm90/bwd_postprocess_sm90.hpp).
+// seqlen_q, head_dim) with 16-byte loads. The post-passes depend on the order in which each main kernel
+// leaves dq_accum, so they live beside those kernels (sm90/bwd_postprocess_sm90.hpp, sm80/kernel_bwd_sm80.hpp).
 #pragma once
 
 #include <cuda_runtime_api.h>
