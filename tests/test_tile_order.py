@@ -2,7 +2,7 @@
 
 tests/cpp/test_tile_order.cpp is compiled with the host C++ compiler (the header needs neither CUDA nor
 CUTLASS) and run: the order is a bijection onto the tiles, each head gets its blocks in launch order (the
-deterministic backward relies on it), groups are contiguous and balanced. Skipped where no C++ compiler exists.
+deterministic backward relies on it), groups are contiguous and balanced. Skipped without a C++ compiler.
 """
 
 from __future__ import annotations

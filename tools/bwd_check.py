@@ -108,7 +108,7 @@ def main() -> int:
     ap.add_argument("--bench-only", action="store_true")
     ap.add_argument("--root", default=None, help="source tree whose flash_attn4/_C*.so to load")
     ap.add_argument("--seqlens", default="1024,4096,8192")
-    ap.add_argument("--small", action="store_true", help="two small shapes at the smallest and largest hdim built (sanitizers)")
+    ap.add_argument("--small", action="store_true", help="two small shapes at the smallest and largest hdim")
     ap.add_argument("--deterministic", action="store_true", help="pass deterministic=True to the binding")
     args = ap.parse_args()
     C = load_extension(args.root)
