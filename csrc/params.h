@@ -7,6 +7,14 @@
 #include <cmath>
 #include <cstdint>
 
+// The few helpers below run on the host (the sm90 kernels' to_params) and in the sm80 kernels, which take
+// these structs as their parameters; a host compiler sees plain inline functions.
+#if defined(__CUDACC__)
+#define FLASH4_PARAMS_FN __host__ __device__ inline
+#else
+#define FLASH4_PARAMS_FN inline
+#endif
+
 namespace flash4 {
 
 enum class DType : int { kFP16 = 0, kBF16 = 1 };
@@ -38,9 +46,11 @@ struct SeqMaskParams {
   // How the kernels turn a raw score s = q.k into the softmax exponent, in one place for both directions:
   // exp2(t * score_scale_log2() - ...) with t = s, or with softcap t = tanh(s * softcap_scale()) (the capped
   // scaled score is softcap * t); lse_scale() turns the running max of t back into natural-log units.
-  float score_scale_log2() const { return softcap > 0.f ? float(softcap * M_LOG2E) : softmax_scale_log2; }
-  float softcap_scale() const { return softcap > 0.f ? softmax_scale / softcap : 0.f; }
-  float lse_scale() const { return softcap > 0.f ? softcap : softmax_scale; }
+  FLASH4_PARAMS_FN float score_scale_log2() const {
+    return softcap > 0.f ? float(softcap * M_LOG2E) : softmax_scale_log2;
+  }
+  FLASH4_PARAMS_FN float softcap_scale() const { return softcap > 0.f ? softmax_scale / softcap : 0.f; }
+  FLASH4_PARAMS_FN float lse_scale() const { return softcap > 0.f ? softcap : softmax_scale; }
 };
 
 struct FwdParams : SeqMaskParams {

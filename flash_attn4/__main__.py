@@ -72,9 +72,13 @@ def explain_path(shape: tuple[int, ...], dtype: torch.dtype, causal: bool) -> No
             pad = f" (head dim zero-padded to {bwd_padded})" if bwd_padded != d else ""
             print(f"backward: the sm{arch} CUDA kernel on {device}{pad}")
         if _build_info.features_available(device):
-            print("sliding windows, softcap, attn_varlen: on the same kernels")
+            print("sliding windows, softcap: on the same kernels")
         else:
-            print(f"sliding windows, softcap, attn_varlen: the PyTorch reference ({_ops._NO_FEATURES})")
+            print(f"sliding windows, softcap: the PyTorch reference ({_ops._NO_FEATURES})")
+        if _build_info.features_available(device, packed=True):
+            print("attn_varlen: on the same kernels")
+        else:
+            print(f"attn_varlen: the PyTorch reference ({_ops._NO_PACKED})")
     else:
         print(f"forward and backward: the PyTorch reference on {device}, because {why}")
 

@@ -137,11 +137,25 @@ def kernel_available(device: torch.device, dtype: torch.dtype, hdim: int) -> tup
     return True, ""
 
 
-def features_available(device: torch.device) -> bool:
-    """Whether the device's kernel family has sliding windows, softcap and packed (varlen) batches: the
-    sm90 kernels do, the Ampere-path forward does not yet (those calls run on the reference there)."""
+def features_available(device: torch.device, packed: bool = False) -> bool:
+    """Whether the device's kernel family serves sliding windows and softcap (packed=False) or packed (varlen)
+    batches (packed=True). The sm90 kernels serve all three; the Ampere-path kernels windows and softcap
+    when the build has their window kernels, packed batches not yet (those calls run on the reference)."""
     device = torch.device(device)
-    return device.type == "cuda" and kernel_arch(device)[0] == 90
+    if device.type != "cuda":
+        return False
+    arch = kernel_arch(device)[0]
+    if arch == 90:
+        return True
+    return arch == 80 and not packed and _sm80_has_windows()
+
+
+@functools.cache
+def _sm80_has_windows() -> bool:
+    ext, _ = load_extension()
+    return ext is not None and any(
+        n.startswith("fwd_sm80_") and n.endswith("_local") for n in ext.compiled_kernels()
+    )
 
 
 @functools.cache

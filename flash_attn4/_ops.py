@@ -81,8 +81,12 @@ def _kernel_plan(
 
 
 _NO_FEATURES = (
-    "sliding windows, softcap and packed batches run only on the sm90 kernels (Hopper) so far; this device "
-    "takes the Ampere-path kernels"
+    "sliding windows and softcap need the sm90 kernels (Hopper) or an Ampere-path build with its window "
+    "kernels; this device takes Ampere-path kernels without them"
+)
+_NO_PACKED = (
+    "packed (varlen) batches run only on the sm90 kernels (Hopper) so far; this device takes the Ampere-path "
+    "kernels"
 )
 
 
@@ -429,8 +433,8 @@ def _varlen_plan(q: Tensor, k: Tensor, max_seqlen_q: int, max_seqlen_k: int) -> 
     ok, why = _build_info.kernel_available(q.device, q.dtype, q.shape[-1])
     if not ok:
         return False, why
-    if not _build_info.features_available(q.device):
-        return False, _NO_FEATURES
+    if not _build_info.features_available(q.device, packed=True):
+        return False, _NO_PACKED
     return True, ""
 
 

@@ -80,9 +80,10 @@ def main() -> int:
     if "bwd90" in wanted and args.hdim in generate_kernels.BWD_HDIMS:
         kernels.append(generate_kernels.Kernel("bwd", 90, args.dtype, args.hdim, causal, local))
     # The Ampere path (not yet part of the default build: see docs/perf_notes.md); no window kernel there.
-    if "fwd80" in wanted and not local:
+    sm80_mask_ok = not local or 80 in generate_kernels.LOCAL_ARCHS
+    if "fwd80" in wanted and sm80_mask_ok:
         kernels.append(generate_kernels.Kernel("fwd", 80, args.dtype, args.hdim, causal, local))
-    if "bwd80" in wanted and not local and args.hdim in generate_kernels.BWD_HDIMS_SM80:
+    if "bwd80" in wanted and sm80_mask_ok and args.hdim in generate_kernels.BWD_HDIMS_SM80:
         kernels.append(generate_kernels.Kernel("bwd", 80, args.dtype, args.hdim, causal, local))
     failed = False
     with tempfile.TemporaryDirectory() as tmp:

@@ -13,10 +13,9 @@ namespace flash4 {
 
 template <DType kDType, int kHeadDim, bool kCausal, bool kLocal>
 void run_bwd_sm80(const BwdParams& p, cudaStream_t stream) {
-  static_assert(!kLocal, "the sm80 backward has no sliding-window kernel yet (the generator never asks for one)");
   using Element = CutlassElement<kDType>;
   using Traits = BwdTraitsSm80<Element, kHeadDim>;
-  using Kernel = BwdKernelSm80<Traits, kCausal>;
+  using Kernel = BwdKernelSm80<Traits, kCausal, kLocal>;
   bwd_preprocess_kernel<Element, kHeadDim><<<prepost_grid<kHeadDim>(p), kPrePostThreads, 0, stream>>>(p);
   check_cuda(cudaGetLastError(), "sm80 backward pre-pass launch");
   launch_kernel<Kernel>(kernel_entry_sm80<Kernel>, p, stream, "sm80 backward kernel launch");

@@ -13,11 +13,16 @@ namespace flash4 {
 
 template <DType kDType, int kHeadDim, bool kCausal, bool kLocal>
 void run_fwd_sm80(const FwdParams& p, cudaStream_t stream) {
-  static_assert(!kLocal, "the sm80 forward has no sliding-window kernel yet (the generator never asks for one)");
   constexpr FwdTileSm80 tile = fwd_tile_sm80(kHeadDim);
   using Traits = FwdTraitsSm80<CutlassElement<kDType>, kHeadDim, tile.block_m, tile.block_n, tile.warps>;
-  using Kernel = FwdKernelSm80<Traits, kCausal>;
-  launch_kernel<Kernel>(kernel_entry_sm80<Kernel>, p, stream, "sm80 forward kernel launch");
+  // Softcap is its own kernel, chosen here so the dispatch table stays per mask (as on sm90).
+  if (p.softcap > 0.f) {
+    using Kernel = FwdKernelSm80<Traits, kCausal, kLocal, true>;
+    launch_kernel<Kernel>(kernel_entry_sm80<Kernel>, p, stream, "sm80 forward kernel launch (softcap)");
+  } else {
+    using Kernel = FwdKernelSm80<Traits, kCausal, kLocal, false>;
+    launch_kernel<Kernel>(kernel_entry_sm80<Kernel>, p, stream, "sm80 forward kernel launch");
+  }
 }
 
 }  // namespace flash4

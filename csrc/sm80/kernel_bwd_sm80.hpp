@@ -15,6 +15,7 @@
 #include "../common/block_info.hpp"
 #include "../common/bwd_prepost.cuh"
 #include "../common/fragment.hpp"
+#include "../common/mask.hpp"     // tanh_approx
 #include "../common/softmax.hpp"  // exp2_approx
 #include "../common/sync.hpp"
 #include "../common/tile_order.hpp"
@@ -26,7 +27,8 @@ namespace flash4 {
 
 using namespace cute;
 
-template <class Traits_, bool kCausal>
+// kLocal: sliding window (BlockMask); softcap is a run-time (uniform) branch, as in the sm90 backward.
+template <class Traits_, bool kCausal, bool kLocal = false>
 struct BwdKernelSm80 {
   using Traits = Traits_;
   using Element = typename Traits::Element;
@@ -36,7 +38,7 @@ struct BwdKernelSm80 {
   static constexpr int kNumThreads = Traits::kNumThreads;
   static constexpr int kSmemBytes = Traits::kSmemBytes;
   using Params = BwdParams;  // plain pointers and strides
-  using Mask = BlockMask<kBlockM, kBlockN, kCausal, false>;
+  using Mask = BlockMask<kBlockM, kBlockN, kCausal, kLocal>;
 
   static Params to_params(BwdParams const& p) { return p; }
   static dim3 grid(BwdParams const& p) { return dim3((p.seqlen_k + kBlockN - 1) / kBlockN, p.nheads_kv, p.batch); }
@@ -47,21 +49,24 @@ struct BwdKernelSm80 {
     if constexpr (kCausal) {
       return bm.n_block_max(m_block) - 1 - n_block;
     } else {
-      return n_block;
+      return n_block - bm.n_block_min(m_block);
     }
   }
 
   CUTE_DEVICE void operator()(Params const& p, char* smem_buf) const {
     // Causal + deterministic: key blocks start from the last, so that each CTA waits only for earlier ones.
-    // Causal launches take heads in groups (tile_order.hpp); within a head the order above still holds.
-    const TileCoord tile = this_tile<kHeadDim, kCausal>();
+    // Causal and window launches take heads in groups (tile_order.hpp); within a head the order above (and
+    // windows' ascending one, whose turn() has key block n wait for n - 1) still holds.
+    const TileCoord tile = this_tile<kHeadDim, kCausal || kLocal>();
     const bool reversed = kCausal && p.dq_semaphore != nullptr;
     const int n_block = reversed ? int(gridDim.x) - 1 - tile.block : tile.block;
     const int bidh_kv = tile.head, bidb = tile.batch;
     const int tid = threadIdx.x;
     const int head_ratio = p.nheads_q / p.nheads_kv;
     const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k;
-    const Mask bm(seqlen_q, seqlen_k, 0, 0);
+    const Mask bm(seqlen_q, seqlen_k, p.window_left, p.window_right);
+    // Softcap: P = exp2(tanh(s * softcap_scale) * scale_log2 - lse_log2) (params.h, SeqMaskParams).
+    const float scale_log2 = p.score_scale_log2(), softcap_scale = p.softcap_scale();
     const int m_min = bm.m_block_min(n_block), m_max = bm.m_block_max(n_block);
     const int num_m = cute::max(0, m_max - m_min);
     const int steps = num_m * head_ratio;
@@ -194,18 +199,22 @@ struct BwdKernelSm80 {
       // One loop with a run-time mask test: two copies (masked / unmasked, a uniform branch) made ptxas spill
       // 16-24 bytes at hdim 128 (0 with one copy).
       const bool need_mask = bm.tile_needs_mask(m_block, n_block);
+      // With softcap the score was cap * t, t = tanh(s * scale / cap), so dS picks up dt/ds ~ (1 - t^2).
 #pragma unroll
       for (int c = 0; c < size<1>(tSrS_rc); ++c) {
         const int query = get<1>(tScS_rc(0, c));  // a column is one query for every row of this thread
         const float lse = lse_s[query], dpsum = dpsum_s[query];
 #pragma unroll
         for (int r = 0; r < size<0>(tSrS_rc); ++r) {
-          float prob = exp2_approx(fmaf(tSrS_rc(r, c), p.softmax_scale_log2, -lse));
+          const float t = softcap_scale != 0.f ? tanh_approx(tSrS_rc(r, c) * softcap_scale) : tSrS_rc(r, c);
+          float prob = exp2_approx(fmaf(t, scale_log2, -lse));
           if (need_mask && bm.masked(m_block * kBlockM + query, n_block * kBlockN + get<0>(tScS_rc(r, c)))) {
             prob = 0.f;
           }
           tSrS_rc(r, c) = prob;
-          tSrdP_rc(r, c) = prob * (tSrdP_rc(r, c) - dpsum);
+          float ds = prob * (tSrdP_rc(r, c) - dpsum);
+          if (softcap_scale != 0.f) ds *= 1.f - t * t;
+          tSrdP_rc(r, c) = ds;
         }
       }
       Tensor tPrP = make_tensor_like<Element>(tSrS);

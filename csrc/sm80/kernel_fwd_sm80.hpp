@@ -87,7 +87,9 @@ CUTE_DEVICE void gemm_rs(TiledMma& mma, TA const& tCrA, TB& tCrB, TC& acc, SB co
   }
 }
 
-template <class Traits_, bool kCausal>
+// kLocal: sliding window (see BlockMask); kSoftcap: scores capped as softcap * tanh(s * scale / softcap), a
+// compile-time switch as in the sm90 forward (the launcher picks the instantiation at run time).
+template <class Traits_, bool kCausal, bool kLocal = false, bool kSoftcap = false>
 struct FwdKernelSm80 {
   using Traits = Traits_;
   using Element = typename Traits::Element;
@@ -103,7 +105,8 @@ struct FwdKernelSm80 {
     return dim3((p.seqlen_q + kBlockM - 1) / kBlockM, p.nheads_q, p.batch);
   }
 
-  // A tile no row of which sees a key (causal, seqlen_q > seqlen_k): out = 0, lse = -inf.
+  // A tile no row of which sees a key (causal with seqlen_q > seqlen_k, or a window that misses every key):
+  // out = 0, lse = -inf.
   CUTE_DEVICE void write_empty(Params const& p, Element* o, float* lse, int m_block) const {
     constexpr int kVecs = kHeadDim / 8;  // 16-byte vectors per row
     for (int i = threadIdx.x; i < kBlockM * kVecs; i += kNumThreads) {
@@ -119,9 +122,10 @@ struct FwdKernelSm80 {
   }
 
   CUTE_DEVICE void operator()(Params const& p, char* smem_buf) const {
-    // Causal: heavy tiles first, heads in groups (tile_order.hpp).
-    const TileCoord tile = this_tile<kHeadDim, kCausal>();
-    const int m_block = kCausal ? int(gridDim.x) - 1 - tile.block : tile.block;
+    // Causal and windows: heavy tiles first, heads in groups (tile_order.hpp).
+    constexpr bool kMasked = kCausal || kLocal;
+    const TileCoord tile = this_tile<kHeadDim, kMasked>();
+    const int m_block = kMasked ? int(gridDim.x) - 1 - tile.block : tile.block;
     const int bidh = tile.head, bidb = tile.batch;
     const int bidh_kv = bidh / (p.nheads_q / p.nheads_kv);
     const int tid = threadIdx.x;
@@ -129,9 +133,9 @@ struct FwdKernelSm80 {
 
     Element* o = static_cast<Element*>(p.o) + bidb * p.o_batch_stride + bidh * p.o_head_stride;
     float* lse = p.lse + (int64_t(bidb) * p.nheads_q + bidh) * seqlen_q;
-    const BlockMask<kBlockM, kBlockN, kCausal, false> bm(seqlen_q, seqlen_k, 0, 0);
-    const int n_max = bm.n_block_max(m_block);
-    if (n_max <= 0) {
+    const BlockMask<kBlockM, kBlockN, kCausal, kLocal> bm(seqlen_q, seqlen_k, p.window_left, p.window_right);
+    const int n_min = bm.n_block_min(m_block), n_max = bm.n_block_max(m_block);
+    if (n_max <= n_min) {
       write_empty(p, o, lse, m_block);
       return;
     }
@@ -189,16 +193,20 @@ struct FwdKernelSm80 {
     Tensor tScS_rc = make_tensor(tScS.data(), sm80_acc_rowcol_layout(tScS.layout()));
     Tensor tOrO_rc = make_tensor(tOrO.data(), sm80_acc_rowcol_layout(tOrO.layout()));
     constexpr int kRows = decltype(size<0>(tOrO_rc))::value;
-    OnlineSoftmax<kRows> softmax(p.softmax_scale_log2);
+    // Softcap: the exponent is tanh(s * scale / cap) * cap * log2(e) (params.h, SeqMaskParams).
+    OnlineSoftmax<kRows> softmax(p.score_scale_log2());
+    const float softcap_scale = p.softcap_scale();
 
-    // Key blocks from mask_from on may hold keys past seqlen_k or right of some row's diagonal.
+    // Key blocks from mask_from on may hold keys past seqlen_k or right of some row's diagonal; with a
+    // window, blocks below mask_below may hold keys left of some row's window.
     int mask_from = seqlen_k % kBlockN == 0 ? n_max : n_max - 1;
-    if constexpr (kCausal) {
+    if constexpr (kCausal || kLocal) {
       mask_from = cute::min(mask_from, bm.n_block_right_mask_min(m_block));
     }
+    const int mask_below = bm.n_block_left_mask_max(m_block);
 
 #pragma unroll 1
-    for (bool first = true; n >= 0; --n, first = false) {
+    for (bool first = true; n >= n_min; --n, first = false) {
       Tensor tSrS = partition_fragment_C(tiled_mma, TileS{});
       clear(tSrS);
       cp_async_wait<0>();
@@ -207,14 +215,15 @@ struct FwdKernelSm80 {
       cp_async_fence();
 
       gemm_smem(tiled_mma, tSrQ, tSrK, tSrS, tSsQ, tSsK, copy_q, copy_k);
+      if constexpr (kSoftcap) apply_softcap(tSrS, softcap_scale);
       Tensor tSrS_rc = make_tensor(tSrS.data(), sm80_acc_rowcol_layout(tSrS.layout()));
-      if (n >= mask_from) {
+      if (n >= mask_from || (kLocal && n < mask_below)) {
         apply_mask(tSrS_rc, tScS_rc, m_block * kBlockM, n * kBlockN, bm);
       }
 
       cp_async_wait<0>();
       __syncthreads();  // V[n] visible to all; every warp is done with K[n]
-      if (n > 0) {
+      if (n > n_min) {
         copy_rows(gmem_copy, tKgK(_, _, _, n - 1), tKsK, tKVcKV, seqlen_k - (n - 1) * kBlockN);
         cp_async_fence();
       }
@@ -236,7 +245,7 @@ struct FwdKernelSm80 {
     // Epilogue: normalize, O -> shared memory (Q's buffer; every warp is past its last read of Q) ->
     // global with 16-byte stores, rows past seqlen_q skipped; LSE from the lanes that own column 0.
     cute::array<float, kRows> row_lse;
-    const auto inv = softmax.finalize(p.softmax_scale, row_lse);
+    const auto inv = softmax.finalize(p.lse_scale(), row_lse);
     softmax.rescale(tOrO_rc, inv);
     Tensor tOrO_out = make_tensor_like<Element>(tOrO);
     cutlass::NumericArrayConverter<Element, float, decltype(size(tOrO))::value> convert_o;
