@@ -15,7 +15,8 @@ template <DType kDType, int kHeadDim, bool kCausal, bool kLocal>
 void run_bwd_sm80(const BwdParams& p, cudaStream_t stream) {
   static_assert(!kLocal, "the sm80 backward has no sliding-window kernel yet (the generator never asks for one)");
   using Element = CutlassElement<kDType>;
-  using Traits = BwdTraitsSm80<Element, kHeadDim>;
+  // Experiment: hdim <= 64 at 128 queries a step (FA2's tile there).
+  using Traits = BwdTraitsSm80<Element, kHeadDim, (kHeadDim <= 64 ? 128 : 64)>;
   using Kernel = BwdKernelSm80<Traits, kCausal>;
   bwd_preprocess_kernel<Element, kHeadDim><<<prepost_grid<kHeadDim>(p), kPrePostThreads, 0, stream>>>(p);
   check_cuda(cudaGetLastError(), "sm80 backward pre-pass launch");
