@@ -271,16 +271,13 @@ struct BwdKernelSm80 {
   }
 };
 
-// dq = dq_accum * softmax_scale. One CTA per (64-row block, head, batch) with the main kernel's threads: each
-// reads its dQ elements back from the register order (coalesced) and recovers their (row, column) from the
-// same TiledMma partition; the converted pairs meet in a padded shared tile and leave as 16-byte row pieces.
+// dq = dq_accum * softmax_scale. One CTA per (query block, head, batch) with the main kernel's threads: each
+// reads its dQ elements back from the register order (coalesced), recovers their (row, column) from the same
+// TiledMma partition and hands them to store_dq_staged (common/bwd_prepost.cuh).
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kNumThreads) bwd_postprocess_sm80_kernel(const BwdParams p) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim, kThreads = Traits::kNumThreads;
-  constexpr int kPitch = kHeadDim + 8;  // 16 bytes of padding: a warp's pair stores hit 32 banks
-  constexpr int kVecs = kHeadDim / 8;   // 16-byte pieces per row
-  __shared__ alignas(16) Element tile[kBlockM * kPitch];
   const int m_block = blockIdx.x, bidh = blockIdx.y, bidb = blockIdx.z, tid = threadIdx.x;
   if (m_block * kBlockM >= p.seqlen_q) return;
   typename Traits::TiledMmadQ mma_dq;
@@ -290,27 +287,10 @@ __global__ void __launch_bounds__(Traits::kNumThreads) bwd_postprocess_sm80_kern
   float a[size(cdQ)];
 #pragma unroll
   for (int e = 0; e < size(cdQ); ++e) a[e] = acc[e * kThreads];
-  cutlass::NumericArrayConverter<Element, float, 2> convert;
-#pragma unroll
-  for (int e = 0; e < size(cdQ); e += 2) {
-    // Elements e and e + 1 are adjacent columns (even first) of one row.
-    cutlass::Array<float, 2> f;
-    f[0] = a[e] * p.softmax_scale;
-    f[1] = a[e + 1] * p.softmax_scale;
-    *reinterpret_cast<cutlass::Array<Element, 2>*>(&tile[get<0>(cdQ(e)) * kPitch + get<1>(cdQ(e))]) = convert(f);
-  }
-  __syncthreads();
   Element* dq = static_cast<Element*>(p.dq) + bidb * p.dq_batch_stride + bidh * p.dq_head_stride +
                 int64_t(m_block) * kBlockM * p.dq_row_stride;
-  const int rows = min(kBlockM, p.seqlen_q - m_block * kBlockM);
-#pragma unroll
-  for (int i = tid; i < kBlockM * kVecs; i += kThreads) {
-    const int row = i / kVecs, c = i % kVecs;
-    if (row < rows) {
-      *reinterpret_cast<uint4*>(dq + row * p.dq_row_stride + c * 8) =
-          *reinterpret_cast<const uint4*>(&tile[row * kPitch + c * 8]);
-    }
-  }
+  store_dq_staged<Element, kBlockM, kHeadDim, kThreads>(cdQ, [&](int e) { return a[e]; }, p.softmax_scale, dq,
+                                                         p.dq_row_stride, min(kBlockM, p.seqlen_q - m_block * kBlockM));
 }
 
 }  // namespace flash4
