@@ -131,11 +131,6 @@ void set_options(P& p, const Options& o) {
   p.batch = o.batch, p.seqlen_q = o.seqlen_q, p.seqlen_k = o.seqlen_k;
 }
 
-// Packed batches exist only in the sm90 kernels (windows and softcap: both families; a build without sm80
-// window kernels has no table entry for them, which find_*_kernel reports).
-void check_features(const Options& o, int kernel_arch) {
-  TORCH_CHECK(kernel_arch == 90 || !o.packed, "flash_attn4: packed batches need the sm90 kernels (Hopper)");
-}
 
 std::string mask_name(const Options& o) { return o.local ? "window" : o.causal ? "causal" : "no mask"; }
 
@@ -196,7 +191,6 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
   const DType kdtype = dtype == at::kBFloat16 ? DType::kBF16 : DType::kFP16;
   const int arch = device_arch(q);
   const int kernel_arch = fwd_kernel_arch(arch);
-  check_features(o, kernel_arch);
   const flash4::FwdKernelEntry* entry = flash4::find_fwd_kernel(kernel_arch, kdtype, int(head_dim), o.causal, o.local);
   TORCH_CHECK(entry != nullptr,
               "flash_attn4: no compiled forward kernel for sm_" + str(arch) + ", " +
@@ -287,7 +281,6 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
   const DType kdtype = dtype == at::kBFloat16 ? DType::kBF16 : DType::kFP16;
   const int arch = device_arch(q);
   const int kernel_arch = fwd_kernel_arch(arch);  // the backward follows the forward's kernel family
-  check_features(o, kernel_arch);
   const flash4::BwdKernelEntry* entry =
       flash4::find_bwd_kernel(kernel_arch, kdtype, int(head_dim), o.causal, o.local);
   TORCH_CHECK(entry != nullptr, "flash_attn4: no compiled backward kernel for sm_" + str(arch) + ", " +

@@ -75,10 +75,7 @@ def explain_path(shape: tuple[int, ...], dtype: torch.dtype, causal: bool) -> No
             print("sliding windows, softcap: on the same kernels")
         else:
             print(f"sliding windows, softcap: the PyTorch reference ({_ops._NO_FEATURES})")
-        if _build_info.features_available(device, packed=True):
-            print("attn_varlen: on the same kernels")
-        else:
-            print(f"attn_varlen: the PyTorch reference ({_ops._NO_PACKED})")
+        print("attn_varlen: on the same kernels")
     else:
         print(f"forward and backward: the PyTorch reference on {device}, because {why}")
 

@@ -137,17 +137,17 @@ def kernel_available(device: torch.device, dtype: torch.dtype, hdim: int) -> tup
     return True, ""
 
 
-def features_available(device: torch.device, packed: bool = False) -> bool:
-    """Whether the device's kernel family serves sliding windows and softcap (packed=False) or packed (varlen)
-    batches (packed=True). The sm90 kernels serve all three; the Ampere-path kernels windows and softcap
-    when the build has their window kernels, packed batches not yet (those calls run on the reference)."""
+def features_available(device: torch.device) -> bool:
+    """Whether the device's kernel family serves sliding windows and softcap: the sm90 kernels always, the
+    Ampere-path kernels when the build has their window kernels. Packed (varlen) batches need nothing more
+    than the plain kernels on either family."""
     device = torch.device(device)
     if device.type != "cuda":
         return False
     arch = kernel_arch(device)[0]
     if arch == 90:
         return True
-    return arch == 80 and not packed and _sm80_has_windows()
+    return arch == 80 and _sm80_has_windows()
 
 
 @functools.cache

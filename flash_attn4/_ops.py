@@ -84,10 +84,6 @@ _NO_FEATURES = (
     "sliding windows and softcap need the sm90 kernels (Hopper) or an Ampere-path build with its window "
     "kernels; this device takes Ampere-path kernels without them"
 )
-_NO_PACKED = (
-    "packed (varlen) batches run only on the sm90 kernels (Hopper) so far; this device takes the Ampere-path "
-    "kernels"
-)
 
 
 def _tma_ready(t: Tensor) -> Tensor:
@@ -421,20 +417,23 @@ def _backward(ctx, dout: Optional[Tensor], dlse: Optional[Tensor]):
 fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-# Variable-length (packed) batches. The sm90 kernels serve them (they read cu_seqlens on the device, so
-# there is no host synchronisation and the op can be captured in a CUDA graph); elsewhere
+# Variable-length (packed) batches. The sm90 and sm80 kernels serve them (they read cu_seqlens on the
+# device, so there is no host synchronisation and the op can be captured in a CUDA graph); elsewhere
 # reference.attention_varlen_ref runs, which reads cu_seqlens on the host.
 
 
-def _varlen_plan(q: Tensor, k: Tensor, max_seqlen_q: int, max_seqlen_k: int) -> tuple[bool, str]:
+def _varlen_plan(
+    q: Tensor, k: Tensor, max_seqlen_q: int, max_seqlen_k: int, window: tuple[int, int], softcap: float
+) -> tuple[bool, str]:
     """(True, "") when the kernel serves this packed call, else (False, why the reference runs)."""
     if q.shape[0] == 0 or k.shape[0] == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
         return False, ""
     ok, why = _build_info.kernel_available(q.device, q.dtype, q.shape[-1])
     if not ok:
         return False, why
-    if not _build_info.features_available(q.device, packed=True):
-        return False, _NO_PACKED
+    plain = window[0] == -1 and window[1] in (-1, 0)  # causal comes as right = 0
+    if (softcap != 0.0 or not plain) and not _build_info.features_available(q.device):
+        return False, _NO_FEATURES
     return True, ""
 
 
@@ -471,7 +470,7 @@ def fwd_varlen(
 
     Rows outside every sequence (past seqused_q, or past cu_seqlens_q[-1]) get out = 0 and lse = -inf.
     """
-    use_kernel, why = _varlen_plan(q, k, max_seqlen_q, max_seqlen_k)
+    use_kernel, why = _varlen_plan(q, k, max_seqlen_q, max_seqlen_k, (window_left, window_right), softcap)
     if use_kernel:
         out = torch.zeros_like(q, memory_format=torch.contiguous_format)
         lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
@@ -535,7 +534,7 @@ def bwd_varlen(
     deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Varlen backward: dq like q, dk like k, dv like v (zero outside every sequence); through lse too."""
-    use_kernel, why = _varlen_plan(q, k, max_seqlen_q, max_seqlen_k)
+    use_kernel, why = _varlen_plan(q, k, max_seqlen_q, max_seqlen_k, (window_left, window_right), softcap)
     if use_kernel and _build_info.backward_padded_hdim(q.dtype, q.shape[-1], q.device) is not None:
         # Zeros: the kernel writes only rows inside the sequences.
         dq, dk, dv = (torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))

@@ -305,7 +305,7 @@ def fake_ext(monkeypatch):
     monkeypatch.setattr(_build_info, "load_extension", lambda: (ext, ""))
     monkeypatch.setattr(_build_info, "HDIMS", (64, 96, 128))
     monkeypatch.setattr(_build_info, "kernel_available", lambda device, dtype, hdim: (True, ""))
-    monkeypatch.setattr(_build_info, "features_available", lambda device, packed=False: True)
+    monkeypatch.setattr(_build_info, "features_available", lambda device: True)
     _build_info.backward_hdims.cache_clear()
     yield ext
     _build_info.backward_hdims.cache_clear()

@@ -42,11 +42,6 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(_SKIP is not None, reason=f"flash_attn4 window kernels unavailable: {_SKIP}"),
 ]
-# Packed (varlen) batches: the sm90 kernels only so far (the Ampere path runs the reference for them).
-needs_packed = pytest.mark.skipif(
-    _SKIP is None and not _build_info.features_available(DEVICE, packed=True),
-    reason="packed batches run on the sm90 kernels only (this device takes the Ampere-path kernels)",
-)
 
 
 def _err(a, b):
@@ -147,7 +142,6 @@ VARLEN_KW = {
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2)], ids=["mha", "gqa"])
 @pytest.mark.parametrize("case", list(VARLEN_CASES))
 @pytest.mark.parametrize("hdim", HDIMS)
-@needs_packed
 def test_varlen_matches_reference(hdim, case, heads, kwname):
     dtype = DTYPES[0]
     lens_q, lens_k = VARLEN_CASES[case]
@@ -181,7 +175,6 @@ def test_varlen_matches_reference(hdim, case, heads, kwname):
         _check(name, g, t, gl, what)
 
 
-@needs_packed
 def test_varlen_seqused_and_deterministic():
     dtype, d = DTYPES[0], HDIMS[0]
     lens = [300, 77, 512]
@@ -207,7 +200,6 @@ def test_varlen_seqused_and_deterministic():
         assert all(torch.equal(a, b) for a, b in zip(first, grads()))
 
 
-@needs_packed
 def test_varlen_cuda_graph_replays_with_new_offsets():
     dtype, d = DTYPES[0], HDIMS[0]
     total = 1024
@@ -257,7 +249,6 @@ def test_deterministic_window_gradients_are_bitwise_stable(packed):
             torch.testing.assert_close(g.float(), t, atol=3e-2, rtol=0)
 
 
-@needs_packed
 def test_varlen_accepts_a_generous_max_seqlen():
     """FlashAttention callers often pass a bound larger than any sequence (even than the whole batch)."""
     dtype, d = DTYPES[0], HDIMS[0]

@@ -14,8 +14,7 @@ namespace flash4 {
 template <DType kDType, int kHeadDim, bool kCausal, bool kLocal>
 void run_bwd_sm80(const BwdParams& p, cudaStream_t stream) {
   using Element = CutlassElement<kDType>;
-  // hdim <= 64 takes 128 queries a step (FA2's tile there): fewer dK/dV passes per query block.
-  using Traits = BwdTraitsSm80<Element, kHeadDim, (kHeadDim <= 64 ? 128 : 64)>;
+  using Traits = BwdTraitsSm80<Element, kHeadDim>;
   using Kernel = BwdKernelSm80<Traits, kCausal, kLocal>;
   bwd_preprocess_kernel<Element, kHeadDim><<<prepost_grid<kHeadDim>(p), kPrePostThreads, 0, stream>>>(p);
   check_cuda(cudaGetLastError(), "sm80 backward pre-pass launch");

@@ -63,7 +63,15 @@ struct BwdKernelSm80 {
     const int bidh_kv = tile.head, bidb = tile.batch;
     const int tid = threadIdx.x;
     const int head_ratio = p.nheads_q / p.nheads_kv;
-    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k;
+    // Packed batches: the grid covers the longest sequence; key blocks past this one's end have nothing to do.
+    const SeqInfo seq = make_seq_info(p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k, bidb, p.seqlen_q,
+                                      p.seqlen_k);
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
+    if (n_block * kBlockN >= seqlen_k) return;
+    // Scratch row of query row 0 of head h (packed: each sequence from a multiple of kAccumRowAlign).
+    const int64_t accum_row0 = seq.batch * p.accum_batch_stride +
+                               (p.cu_seqlens_q ? padded_row_offset(p.cu_seqlens_q[bidb], bidb) : 0);
+    auto accum_row = [&](int h) { return accum_row0 + h * p.accum_head_stride; };
     const Mask bm(seqlen_q, seqlen_k, p.window_left, p.window_right);
     // Softcap: P = exp2(tanh(s * softcap_scale) * scale_log2 - lse_log2) (params.h, SeqMaskParams).
     const float scale_log2 = p.score_scale_log2(), softcap_scale = p.softcap_scale();
@@ -86,8 +94,9 @@ struct BwdKernelSm80 {
     Tensor sdSt = make_tensor(make_smem_ptr(ds_base), typename Traits::SmemLayoutdSt{});
     Tensor sdS = make_tensor(make_smem_ptr(ds_base), typename Traits::SmemLayoutdS{});
 
-    auto gtensor = [&](const void* base, int64_t batch_stride, int64_t head_off, int64_t row_stride, int rows) {
-      auto ptr = static_cast<Element const*>(base) + bidb * batch_stride + head_off;
+    auto gtensor = [&](const void* base, int64_t batch_stride, int64_t head_off, int64_t row_stride, int offset,
+                       int rows) {
+      auto ptr = static_cast<Element const*>(base) + seq.batch * batch_stride + head_off + offset * row_stride;
       return make_tensor(make_gmem_ptr(ptr), make_shape(rows, Int<kHeadDim>{}), make_stride(row_stride, _1{}));
     };
     typename Traits::GmemTiledCopy gmem_copy;
@@ -95,8 +104,8 @@ struct BwdKernelSm80 {
 
     // K and V of this CTA (keys past seqlen_k zeroed, never read).
     {
-      Tensor mK = gtensor(p.k, p.k_batch_stride, bidh_kv * p.k_head_stride, p.k_row_stride, seqlen_k);
-      Tensor mV = gtensor(p.v, p.v_batch_stride, bidh_kv * p.v_head_stride, p.v_row_stride, seqlen_k);
+      Tensor mK = gtensor(p.k, p.k_batch_stride, bidh_kv * p.k_head_stride, p.k_row_stride, seq.offset_k, seqlen_k);
+      Tensor mV = gtensor(p.v, p.v_batch_stride, bidh_kv * p.v_head_stride, p.v_row_stride, seq.offset_k, seqlen_k);
       Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
       Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
       Tensor cKV = gthr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
@@ -109,8 +118,9 @@ struct BwdKernelSm80 {
     // Step t covers query head bidh_kv * head_ratio + t / num_m, query block m_min + t % num_m; the loop
     // below walks (bidh, m_block) incrementally instead of dividing every step.
     auto load_step = [&](int bidh, int m_block, int s) {
-      Tensor mQ = gtensor(p.q, p.q_batch_stride, bidh * p.q_head_stride, p.q_row_stride, seqlen_q);
-      Tensor mdO = gtensor(p.dout, p.dout_batch_stride, bidh * p.dout_head_stride, p.dout_row_stride, seqlen_q);
+      Tensor mQ = gtensor(p.q, p.q_batch_stride, bidh * p.q_head_stride, p.q_row_stride, seq.offset_q, seqlen_q);
+      Tensor mdO =
+          gtensor(p.dout, p.dout_batch_stride, bidh * p.dout_head_stride, p.dout_row_stride, seq.offset_q, seqlen_q);
       Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, _0{}));
       Tensor gdO = local_tile(mdO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, _0{}));
       Tensor sQ = make_tensor(make_smem_ptr(stage_ptr(s, 0)), typename Traits::SmemLayoutQ{});
@@ -123,7 +133,7 @@ struct BwdKernelSm80 {
       // lse_log2 and D: rows up to the 128-row padding exist in the scratch (+inf and 0 past seqlen_q). In the
       // same cp.async group as Q and dO: a plain load here stalled the issuing warps on global latency.
       if (tid < kBlockM) {
-        const int64_t row = bidb * p.accum_batch_stride + bidh * p.accum_head_stride + m_block * kBlockM + tid;
+        const int64_t row = accum_row(bidh) + m_block * kBlockM + tid;
         SM80_CP_ASYNC_CACHEALWAYS<float>::copy(p.lse_log2[row], row_base[(2 * s) * kBlockM + tid]);
         SM80_CP_ASYNC_CACHEALWAYS<float>::copy(p.dpsum[row], row_base[(2 * s + 1) * kBlockM + tid]);
       }
@@ -199,22 +209,35 @@ struct BwdKernelSm80 {
       // One loop with a run-time mask test: two copies (masked / unmasked, a uniform branch) made ptxas spill
       // 16-24 bytes at hdim 128 (0 with one copy).
       const bool need_mask = bm.tile_needs_mask(m_block, n_block);
-      // With softcap the score was cap * t, t = tanh(s * scale / cap), so dS picks up dt/ds ~ (1 - t^2).
+      // With softcap the score was cap * t, t = tanh(s * scale / cap), so dS picks up dt/ds ~ (1 - t^2). That
+      // is a pass of its own behind a uniform branch: folded into the loop below, the per-element selects
+      // cost ~120 instructions a step (9% more, 6% slower causal) even without softcap. S becomes t and dP
+      // becomes (dP - D) * (1 - t^2) + D, so the loop below stays the one without softcap (adding and
+      // subtracting D costs an ulp of D, the size of the rounding in dP - D itself).
+      if (softcap_scale != 0.f) {
+#pragma unroll
+        for (int c = 0; c < size<1>(tSrS_rc); ++c) {
+          const float dpsum = dpsum_s[get<1>(tScS_rc(0, c))];
+#pragma unroll
+          for (int r = 0; r < size<0>(tSrS_rc); ++r) {
+            const float t = tanh_approx(tSrS_rc(r, c) * softcap_scale);
+            tSrS_rc(r, c) = t;
+            tSrdP_rc(r, c) = fmaf(tSrdP_rc(r, c) - dpsum, 1.f - t * t, dpsum);
+          }
+        }
+      }
 #pragma unroll
       for (int c = 0; c < size<1>(tSrS_rc); ++c) {
         const int query = get<1>(tScS_rc(0, c));  // a column is one query for every row of this thread
         const float lse = lse_s[query], dpsum = dpsum_s[query];
 #pragma unroll
         for (int r = 0; r < size<0>(tSrS_rc); ++r) {
-          const float t = softcap_scale != 0.f ? tanh_approx(tSrS_rc(r, c) * softcap_scale) : tSrS_rc(r, c);
-          float prob = exp2_approx(fmaf(t, scale_log2, -lse));
+          float prob = exp2_approx(fmaf(tSrS_rc(r, c), scale_log2, -lse));
           if (need_mask && bm.masked(m_block * kBlockM + query, n_block * kBlockN + get<0>(tScS_rc(r, c)))) {
             prob = 0.f;
           }
           tSrS_rc(r, c) = prob;
-          float ds = prob * (tSrdP_rc(r, c) - dpsum);
-          if (softcap_scale != 0.f) ds *= 1.f - t * t;
-          tSrdP_rc(r, c) = ds;
+          tSrdP_rc(r, c) = prob * (tSrdP_rc(r, c) - dpsum);
         }
       }
       Tensor tPrP = make_tensor_like<Element>(tSrS);
@@ -233,7 +256,7 @@ struct BwdKernelSm80 {
       gemm_smem(mma_dq, tdQrdS, tdQrKt, tdQrdQ, tdQsdS, tdQsKt, copy_dq_a, copy_dq_b);
 
       // dQ into dq_accum in register order (see the top of this file). Deterministic: in turn.
-      const int64_t row0 = bidb * p.accum_batch_stride + bidh * p.accum_head_stride;
+      const int64_t row0 = accum_row(bidh);
       int* semaphore = p.dq_semaphore ? p.dq_semaphore + row0 / kBlockM + m_block : nullptr;
       if (semaphore != nullptr) {
         if (tid == 0) {
@@ -262,8 +285,8 @@ struct BwdKernelSm80 {
     Tensor tdKVc = thr.partition_C(make_identity_tensor(TileKV{}));
     auto write = [&](auto const& acc, void* base, int64_t batch_stride, int64_t row_stride, int64_t head_stride,
                      float scale) {
-      Element* out = static_cast<Element*>(base) + bidb * batch_stride + bidh_kv * head_stride +
-                     int64_t(n_block) * kBlockN * row_stride;
+      Element* out = static_cast<Element*>(base) + seq.batch * batch_stride + bidh_kv * head_stride +
+                     (seq.offset_k + int64_t(n_block) * kBlockN) * row_stride;
       store_pairs(acc, tdKVc, out, row_stride, seqlen_k - n_block * kBlockN, scale);
     };
     write(tdKrdK, p.dk, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride, p.softmax_scale);
@@ -279,18 +302,18 @@ __global__ void __launch_bounds__(Traits::kNumThreads) bwd_postprocess_sm80_kern
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim, kThreads = Traits::kNumThreads;
   const int m_block = blockIdx.x, bidh = blockIdx.y, bidb = blockIdx.z, tid = threadIdx.x;
-  if (m_block * kBlockM >= p.seqlen_q) return;
+  const PrePostRow r = prepost_row(p, bidh, bidb);
+  if (m_block * kBlockM >= r.seq.seqlen_q) return;  // packed batches: past this sequence's end
   typename Traits::TiledMmadQ mma_dq;
   Tensor cdQ = mma_dq.get_thread_slice(tid).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  const float* acc = p.dq_accum + (bidb * p.accum_batch_stride + bidh * p.accum_head_stride +
-                                   int64_t(m_block) * kBlockM) * kHeadDim + tid;
+  const float* acc = p.dq_accum + (r.accum_row0 + int64_t(m_block) * kBlockM) * kHeadDim + tid;
   float a[size(cdQ)];
 #pragma unroll
   for (int e = 0; e < size(cdQ); ++e) a[e] = acc[e * kThreads];
-  Element* dq = static_cast<Element*>(p.dq) + bidb * p.dq_batch_stride + bidh * p.dq_head_stride +
-                int64_t(m_block) * kBlockM * p.dq_row_stride;
+  Element* dq = static_cast<Element*>(p.dq) + r.seq.batch * p.dq_batch_stride + bidh * p.dq_head_stride +
+                (r.seq.offset_q + int64_t(m_block) * kBlockM) * p.dq_row_stride;
   store_dq_staged<Element, kBlockM, kHeadDim, kThreads>(cdQ, [&](int e) { return a[e]; }, p.softmax_scale, dq,
-                                                         p.dq_row_stride, min(kBlockM, p.seqlen_q - m_block * kBlockM));
+                                                         p.dq_row_stride, min(kBlockM, r.seq.seqlen_q - m_block * kBlockM));
 }
 
 }  // namespace flash4

@@ -107,17 +107,17 @@ struct FwdKernelSm80 {
 
   // A tile no row of which sees a key (causal with seqlen_q > seqlen_k, or a window that misses every key):
   // out = 0, lse = -inf.
-  CUTE_DEVICE void write_empty(Params const& p, Element* o, float* lse, int m_block) const {
+  CUTE_DEVICE void write_empty(Params const& p, Element* o, float* lse, int m_block, int seqlen_q) const {
     constexpr int kVecs = kHeadDim / 8;  // 16-byte vectors per row
     for (int i = threadIdx.x; i < kBlockM * kVecs; i += kNumThreads) {
       const int row = m_block * kBlockM + i / kVecs;
-      if (row < p.seqlen_q) {
+      if (row < seqlen_q) {
         *reinterpret_cast<cute::uint128_t*>(o + row * p.o_row_stride + (i % kVecs) * 8) = cute::uint128_t{0, 0};
       }
     }
     for (int i = threadIdx.x; i < kBlockM; i += kNumThreads) {
       const int row = m_block * kBlockM + i;
-      if (row < p.seqlen_q) lse[row] = -INFINITY;
+      if (row < seqlen_q) lse[row] = -INFINITY;
     }
   }
 
@@ -129,25 +129,30 @@ struct FwdKernelSm80 {
     const int bidh = tile.head, bidb = tile.batch;
     const int bidh_kv = bidh / (p.nheads_q / p.nheads_kv);
     const int tid = threadIdx.x;
-    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k;
+    // Packed batches: the grid covers the longest sequence; tiles past this one's end have nothing to do.
+    const SeqInfo seq = make_seq_info(p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k, bidb, p.seqlen_q,
+                                      p.seqlen_k);
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
+    if (m_block * kBlockM >= seqlen_q) return;
 
-    Element* o = static_cast<Element*>(p.o) + bidb * p.o_batch_stride + bidh * p.o_head_stride;
-    float* lse = p.lse + (int64_t(bidb) * p.nheads_q + bidh) * seqlen_q;
+    Element* o = static_cast<Element*>(p.o) + seq.batch * p.o_batch_stride + bidh * p.o_head_stride +
+                 int64_t(seq.offset_q) * p.o_row_stride;
+    float* lse = p.lse + seq.batch * p.lse_batch_stride + bidh * p.lse_head_stride + seq.offset_q;
     const BlockMask<kBlockM, kBlockN, kCausal, kLocal> bm(seqlen_q, seqlen_k, p.window_left, p.window_right);
     const int n_min = bm.n_block_min(m_block), n_max = bm.n_block_max(m_block);
     if (n_max <= n_min) {
-      write_empty(p, o, lse, m_block);
+      write_empty(p, o, lse, m_block, seqlen_q);
       return;
     }
 
-    auto gtensor = [&](const void* base, int64_t batch_stride, int64_t head_stride, int64_t row_stride,
+    auto gtensor = [&](const void* base, int64_t batch_stride, int64_t head_stride, int64_t row_stride, int offset,
                        int rows) {
-      auto ptr = static_cast<Element const*>(base) + bidb * batch_stride + head_stride;
+      auto ptr = static_cast<Element const*>(base) + seq.batch * batch_stride + head_stride + offset * row_stride;
       return make_tensor(make_gmem_ptr(ptr), make_shape(rows, Int<kHeadDim>{}), make_stride(row_stride, _1{}));
     };
-    Tensor mQ = gtensor(p.q, p.q_batch_stride, bidh * p.q_head_stride, p.q_row_stride, seqlen_q);
-    Tensor mK = gtensor(p.k, p.k_batch_stride, bidh_kv * p.k_head_stride, p.k_row_stride, seqlen_k);
-    Tensor mV = gtensor(p.v, p.v_batch_stride, bidh_kv * p.v_head_stride, p.v_row_stride, seqlen_k);
+    Tensor mQ = gtensor(p.q, p.q_batch_stride, bidh * p.q_head_stride, p.q_row_stride, seq.offset_q, seqlen_q);
+    Tensor mK = gtensor(p.k, p.k_batch_stride, bidh_kv * p.k_head_stride, p.k_row_stride, seq.offset_k, seqlen_k);
+    Tensor mV = gtensor(p.v, p.v_batch_stride, bidh_kv * p.v_head_stride, p.v_row_stride, seq.offset_k, seqlen_k);
     Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, _0{}));
     Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (N, D, n)
     Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));

@@ -16,11 +16,11 @@ namespace flash4 {
 
 using namespace cute;
 
-template <class Element_, int kHeadDim_, int kBlockM_ = 64>
+template <class Element_, int kHeadDim_>
 struct BwdTraitsSm80 {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = kBlockM_;  // queries per step
+  static constexpr int kBlockM = 64;   // queries per step
   static constexpr int kBlockN = 128;  // keys per CTA
   static constexpr int kNWarps = 8;
   static constexpr int kNumThreads = kNWarps * 32;
@@ -32,7 +32,7 @@ struct BwdTraitsSm80 {
   using TiledMmaKey = TiledMMA<MmaAtom, Layout<Shape<_8, _1, _1>>, Tile<_128, _16, _16>>;
   // Rows = queries: dQ. 4 x 2 warps over (64 queries, head_dim).
   // N tile 32: each warp covers 16 head-dim columns, the width a transposing ldmatrix.x4 loads for B.
-  using TiledMmadQ = TiledMMA<MmaAtom, Layout<Shape<_4, _2, _1>>, Tile<Int<kBlockM>, _32, _16>>;
+  using TiledMmadQ = TiledMMA<MmaAtom, Layout<Shape<_4, _2, _1>>, Tile<_64, _32, _16>>;
 
   using Tiling = Sm80SmemTiling<Element, kHeadDim, kNumThreads>;
   using SmemLayoutAtom = typename Tiling::SmemLayoutAtom;
