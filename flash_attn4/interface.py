@@ -270,8 +270,8 @@ def attn_varlen(
 
     The CUDA kernels (sm90 on Hopper, the Ampere path elsewhere) run it, forward and backward, reading the
     offsets on the device (no host synchronisation: the call can be captured in a CUDA graph and replayed
-    with new offsets, provided the max_seqlen values still bound them). Elsewhere the PyTorch reference runs. Gradients flow to q, k, v
-    (and through lse).
+    with new offsets, provided the max_seqlen values still bound them). Without them the PyTorch reference
+    runs. Gradients flow to q, k, v (and through lse).
     """
     _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
     softmax_scale, left, right, softcap = _validate_options(
