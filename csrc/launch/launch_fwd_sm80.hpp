@@ -2,6 +2,8 @@
 // sm80 instantiation .cu.
 #pragma once
 
+#include <cstdlib>
+
 #include "../common/tile_size.h"
 #include "../dispatch.h"
 #include "../sm80/kernel_entry_sm80.hpp"
@@ -11,17 +13,31 @@
 
 namespace flash4 {
 
+template <class Traits, bool kCausal, bool kLocal, bool kEven>
+void launch_fwd_sm80_cap(const FwdParams& p, cudaStream_t stream) {
+  // Softcap is its own kernel, chosen here so the dispatch table stays per mask (as on sm90).
+  if (p.softcap > 0.f) {
+    using Kernel = FwdKernelSm80<Traits, kCausal, kLocal, true, kEven>;
+    launch_kernel<Kernel>(kernel_entry_sm80<Kernel>, p, stream, "sm80 forward kernel launch (softcap)");
+  } else {
+    using Kernel = FwdKernelSm80<Traits, kCausal, kLocal, false, kEven>;
+    launch_kernel<Kernel>(kernel_entry_sm80<Kernel>, p, stream, "sm80 forward kernel launch");
+  }
+}
+
 template <DType kDType, int kHeadDim, bool kCausal, bool kLocal>
 void run_fwd_sm80(const FwdParams& p, cudaStream_t stream) {
   constexpr FwdTileSm80 tile = fwd_tile_sm80(kHeadDim);
   using Traits = FwdTraitsSm80<CutlassElement<kDType>, kHeadDim, tile.block_m, tile.block_n, tile.warps>;
-  // Softcap is its own kernel, chosen here so the dispatch table stays per mask (as on sm90).
-  if (p.softcap > 0.f) {
-    using Kernel = FwdKernelSm80<Traits, kCausal, kLocal, true>;
-    launch_kernel<Kernel>(kernel_entry_sm80<Kernel>, p, stream, "sm80 forward kernel launch (softcap)");
+  // Experiment: lengths that are multiples of the tile take the predicate-free kernel
+  // (FLASH_ATTN4_SM80_NO_EVEN=1 turns it off for A/B runs).
+  static const bool allow_even = std::getenv("FLASH_ATTN4_SM80_NO_EVEN") == nullptr;
+  const bool even = allow_even && p.cu_seqlens_q == nullptr && p.seqused_q == nullptr && p.seqused_k == nullptr &&
+                    p.seqlen_q % tile.block_m == 0 && p.seqlen_k % tile.block_n == 0;
+  if (even) {
+    launch_fwd_sm80_cap<Traits, kCausal, kLocal, true>(p, stream);
   } else {
-    using Kernel = FwdKernelSm80<Traits, kCausal, kLocal, false>;
-    launch_kernel<Kernel>(kernel_entry_sm80<Kernel>, p, stream, "sm80 forward kernel launch");
+    launch_fwd_sm80_cap<Traits, kCausal, kLocal, false>(p, stream);
   }
 }
 
