@@ -2,8 +2,6 @@
 // sm80 instantiation .cu.
 #pragma once
 
-#include <cstdlib>
-
 #include "../common/tile_size.h"
 #include "../dispatch.h"
 #include "../sm80/kernel_entry_sm80.hpp"
@@ -29,10 +27,9 @@ template <DType kDType, int kHeadDim, bool kCausal, bool kLocal>
 void run_fwd_sm80(const FwdParams& p, cudaStream_t stream) {
   constexpr FwdTileSm80 tile = fwd_tile_sm80(kHeadDim);
   using Traits = FwdTraitsSm80<CutlassElement<kDType>, kHeadDim, tile.block_m, tile.block_n, tile.warps>;
-  // Experiment: lengths that are multiples of the tile take the predicate-free kernel
-  // (FLASH_ATTN4_SM80_NO_EVEN=1 turns it off for A/B runs).
-  static const bool allow_even = std::getenv("FLASH_ATTN4_SM80_NO_EVEN") == nullptr;
-  const bool even = allow_even && p.cu_seqlens_q == nullptr && p.seqused_q == nullptr && p.seqused_k == nullptr &&
+  // Lengths that are multiples of the tile (fixed-length batches) take the kernel without row predicates and
+  // key-end mask code: hdim 64 non-causal +8%, hdim 128 +3-5% (measured, docs/perf_notes.md, session 4).
+  const bool even = p.cu_seqlens_q == nullptr && p.seqused_q == nullptr && p.seqused_k == nullptr &&
                     p.seqlen_q % tile.block_m == 0 && p.seqlen_k % tile.block_n == 0;
   if (even) {
     launch_fwd_sm80_cap<Traits, kCausal, kLocal, true>(p, stream);

