@@ -28,7 +28,9 @@ namespace flash4 {
 using namespace cute;
 
 // kLocal: sliding window (BlockMask); softcap is a run-time (uniform) branch, as in the sm90 backward.
-template <class Traits_, bool kCausal, bool kLocal = false>
+// kEven: seqlen_q and seqlen_k are multiples of the tile and the batch is not packed: loads without row
+// predicates and, without causal/window, no mask code in the loop (as the sm80 forward's kEven).
+template <class Traits_, bool kCausal, bool kLocal = false, bool kEven = false>
 struct BwdKernelSm80 {
   using Traits = Traits_;
   using Element = typename Traits::Element;
@@ -101,6 +103,13 @@ struct BwdKernelSm80 {
     };
     typename Traits::GmemTiledCopy gmem_copy;
     auto gthr = gmem_copy.get_thread_slice(tid);
+    auto load_rows = [&](auto const& src, auto& dst, auto const& coord, int valid_rows) {
+      if constexpr (kEven) {
+        copy(gmem_copy, src, dst);
+      } else {
+        copy_rows(gmem_copy, src, dst, coord, valid_rows);
+      }
+    };
 
     // K and V of this CTA (keys past seqlen_k zeroed, never read).
     {
@@ -111,8 +120,8 @@ struct BwdKernelSm80 {
       Tensor cKV = gthr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
       Tensor tKsK = gthr.partition_D(sK);
       Tensor tVsV = gthr.partition_D(sV);
-      copy_rows(gmem_copy, gthr.partition_S(gK), tKsK, cKV, seqlen_k - n_block * kBlockN);
-      copy_rows(gmem_copy, gthr.partition_S(gV), tVsV, cKV, seqlen_k - n_block * kBlockN);
+      load_rows(gthr.partition_S(gK), tKsK, cKV, seqlen_k - n_block * kBlockN);
+      load_rows(gthr.partition_S(gV), tVsV, cKV, seqlen_k - n_block * kBlockN);
     }
 
     // Step t covers query head bidh_kv * head_ratio + t / num_m, query block m_min + t % num_m; the loop
@@ -128,8 +137,8 @@ struct BwdKernelSm80 {
       Tensor cQ = gthr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
       Tensor tQsQ = gthr.partition_D(sQ);
       Tensor tdOsdO = gthr.partition_D(sdO);
-      copy_rows(gmem_copy, gthr.partition_S(gQ), tQsQ, cQ, seqlen_q - m_block * kBlockM);
-      copy_rows(gmem_copy, gthr.partition_S(gdO), tdOsdO, cQ, seqlen_q - m_block * kBlockM);
+      load_rows(gthr.partition_S(gQ), tQsQ, cQ, seqlen_q - m_block * kBlockM);
+      load_rows(gthr.partition_S(gdO), tdOsdO, cQ, seqlen_q - m_block * kBlockM);
       // lse_log2 and D: rows up to the 128-row padding exist in the scratch (+inf and 0 past seqlen_q). In the
       // same cp.async group as Q and dO: a plain load here stalled the issuing warps on global latency.
       if (tid < kBlockM) {
@@ -208,7 +217,7 @@ struct BwdKernelSm80 {
       Tensor tSrdP_rc = make_tensor(tSrdP.data(), sm80_acc_rowcol_layout(tSrdP.layout()));
       // One loop with a run-time mask test: two copies (masked / unmasked, a uniform branch) made ptxas spill
       // 16-24 bytes at hdim 128 (0 with one copy).
-      const bool need_mask = bm.tile_needs_mask(m_block, n_block);
+      const bool need_mask = (!kEven || kCausal || kLocal) && bm.tile_needs_mask(m_block, n_block);
       // With softcap the score was cap * t, t = tanh(s * scale / cap), so dS picks up dt/ds ~ (1 - t^2). That
       // is a pass of its own behind a uniform branch: folded into the loop below, the per-element selects
       // cost ~120 instructions a step (9% more, 6% slower causal) even without softcap. S becomes t and dP
