@@ -15,10 +15,16 @@ template <DType kDType, int kHeadDim, bool kCausal, bool kLocal>
 void run_bwd_sm80(const BwdParams& p, cudaStream_t stream) {
   using Element = CutlassElement<kDType>;
   using Traits = BwdTraitsSm80<Element, kHeadDim>;
-  using Kernel = BwdKernelSm80<Traits, kCausal, kLocal>;
   bwd_preprocess_kernel<Element, kHeadDim><<<prepost_grid<kHeadDim>(p), kPrePostThreads, 0, stream>>>(p);
   check_cuda(cudaGetLastError(), "sm80 backward pre-pass launch");
-  launch_kernel<Kernel>(kernel_entry_sm80<Kernel>, p, stream, "sm80 backward kernel launch");
+  // Softcap is its own kernel, chosen here so the dispatch table stays per mask (as in the forward).
+  if (p.softcap > 0.f) {
+    using Kernel = BwdKernelSm80<Traits, kCausal, kLocal, true>;
+    launch_kernel<Kernel>(kernel_entry_sm80<Kernel>, p, stream, "sm80 backward kernel launch (softcap)");
+  } else {
+    using Kernel = BwdKernelSm80<Traits, kCausal, kLocal, false>;
+    launch_kernel<Kernel>(kernel_entry_sm80<Kernel>, p, stream, "sm80 backward kernel launch");
+  }
   const dim3 post_grid(p.seqlen_q_rounded / Traits::kBlockM, p.nheads_q, p.batch);
   bwd_postprocess_sm80_kernel<Traits><<<post_grid, Traits::kNumThreads, 0, stream>>>(p);
   check_cuda(cudaGetLastError(), "sm80 backward post-pass launch");
