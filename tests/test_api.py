@@ -466,6 +466,20 @@ def test_backward_kernel_only_on_the_sm90_path(monkeypatch, fake_ext):
     assert _build_info.backward_padded_hdim(torch.bfloat16, 64, cuda) is None
 
 
+def test_varlen_without_window_kernels_runs_windows_on_the_reference(fake_ext, monkeypatch):
+    """An Ampere-path build without window kernels: plain packed calls still reach the kernel, windowed or
+    softcapped ones run the reference (the binding would find no kernel for them)."""
+    monkeypatch.setattr(_build_info, "features_available", lambda device: False)
+    cu = torch.tensor([0, 5, 14], dtype=torch.int32)
+    q, k, v = (torch.randn(14, 2, 64, dtype=torch.bfloat16) for _ in range(3))
+    flash_attn4.attn_varlen(q, k, v, cu, cu, 9, 9, causal=True)
+    assert len(fake_ext.calls) == 1 and fake_ext.calls[-1]["packed"]
+    for kw in ({"window_size": (3, 0)}, {"softcap": 5.0}):
+        out = flash_attn4.attn_varlen(q, k, v, cu, cu, 9, 9, **kw)
+        assert len(fake_ext.calls) == 1
+        torch.testing.assert_close(out, attention_varlen_ref(q, k, v, cu, cu, **kw)[0])
+
+
 def test_varlen_goes_to_the_kernel_forward_and_backward(fake_ext):
     """Packed batches reach `_C.fwd`/`_C.bwd` with the offsets (not read on the host), as the reference."""
     lens_q, lens_k = [5, 0, 9], [7, 3, 2]

@@ -17,15 +17,18 @@ void run_bwd_sm80(const BwdParams& p, cudaStream_t stream) {
   using Traits = BwdTraitsSm80<Element, kHeadDim>;
   bwd_preprocess_kernel<Element, kHeadDim><<<prepost_grid<kHeadDim>(p), kPrePostThreads, 0, stream>>>(p);
   check_cuda(cudaGetLastError(), "sm80 backward pre-pass launch");
-  // Lengths that are multiples of the tile (fixed-length batches) take the kernel without row predicates.
+  // Softcap is a kernel of its own (as in the forward), and lengths that are multiples of the tile
+  // (fixed-length batches) take the kernel without row predicates.
   const bool even = p.cu_seqlens_q == nullptr && p.seqused_q == nullptr && p.seqused_k == nullptr &&
                     p.seqlen_q % Traits::kBlockM == 0 && p.seqlen_k % Traits::kBlockN == 0;
-  if (even) {
-    using Kernel = BwdKernelSm80<Traits, kCausal, kLocal, true>;
+  auto launch = [&](auto softcap, auto even_c) {
+    using Kernel = BwdKernelSm80<Traits, kCausal, kLocal, decltype(softcap)::value, decltype(even_c)::value>;
     launch_kernel<Kernel>(kernel_entry_sm80<Kernel>, p, stream, "sm80 backward kernel launch");
+  };
+  if (p.softcap > 0.f) {
+    even ? launch(cute::true_type{}, cute::true_type{}) : launch(cute::true_type{}, cute::false_type{});
   } else {
-    using Kernel = BwdKernelSm80<Traits, kCausal, kLocal, false>;
-    launch_kernel<Kernel>(kernel_entry_sm80<Kernel>, p, stream, "sm80 backward kernel launch");
+    even ? launch(cute::false_type{}, cute::true_type{}) : launch(cute::false_type{}, cute::false_type{});
   }
   const dim3 post_grid(p.seqlen_q_rounded / Traits::kBlockM, p.nheads_q, p.batch);
   bwd_postprocess_sm80_kernel<Traits><<<post_grid, Traits::kNumThreads, 0, stream>>>(p);

@@ -27,10 +27,11 @@ namespace flash4 {
 
 using namespace cute;
 
-// kLocal: sliding window (BlockMask); softcap is a run-time (uniform) branch, as in the sm90 backward.
+// kLocal: sliding window (BlockMask). kSoftcap: a kernel of its own, as in the sm80 forward: even jumped over,
+// a softcap pass in the middle of the step splits the basic block that ptxas schedules the exp2/dS work in.
 // kEven: seqlen_q and seqlen_k are multiples of the tile and the batch is not packed: loads without row
 // predicates and, without causal/window, no mask code in the loop (as the sm80 forward's kEven).
-template <class Traits_, bool kCausal, bool kLocal = false, bool kEven = false>
+template <class Traits_, bool kCausal, bool kLocal = false, bool kSoftcap = false, bool kEven = false>
 struct BwdKernelSm80 {
   using Traits = Traits_;
   using Element = typename Traits::Element;
@@ -218,12 +219,10 @@ struct BwdKernelSm80 {
       // One loop with a run-time mask test: two copies (masked / unmasked, a uniform branch) made ptxas spill
       // 16-24 bytes at hdim 128 (0 with one copy).
       const bool need_mask = (!kEven || kCausal || kLocal) && bm.tile_needs_mask(m_block, n_block);
-      // With softcap the score was cap * t, t = tanh(s * scale / cap), so dS picks up dt/ds ~ (1 - t^2). That
-      // is a pass of its own behind a uniform branch: folded into the loop below, the per-element selects
-      // cost ~120 instructions a step (9% more, 6% slower causal) even without softcap. S becomes t and dP
-      // becomes (dP - D) * (1 - t^2) + D, so the loop below stays the one without softcap (adding and
-      // subtracting D costs an ulp of D, the size of the rounding in dP - D itself).
-      if (softcap_scale != 0.f) {
+      // With softcap the score was cap * t, t = tanh(s * scale / cap), so dS picks up dt/ds ~ (1 - t^2): a
+      // pass of its own, S becomes t and dP becomes (dP - D) * (1 - t^2) + D, so the loop below is the one
+      // without softcap (adding and subtracting D costs an ulp of D, the size of the rounding in dP - D).
+      if constexpr (kSoftcap) {
 #pragma unroll
         for (int c = 0; c < size<1>(tSrS_rc); ++c) {
           const float dpsum = dpsum_s[get<1>(tScS_rc(0, c))];
