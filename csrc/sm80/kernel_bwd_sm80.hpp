@@ -66,15 +66,13 @@ struct BwdKernelSm80 {
     const int bidh_kv = tile.head, bidb = tile.batch;
     const int tid = threadIdx.x;
     const int head_ratio = p.nheads_q / p.nheads_kv;
-    // Packed batches: the grid covers the longest sequence; key blocks past this one's end have nothing to do.
-    const SeqInfo seq = make_seq_info(p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k, bidb, p.seqlen_q,
-                                      p.seqlen_k);
+    // This sequence and its scratch rows, as the pre- and post-pass find them (prepost_row). Packed batches:
+    // the grid covers the longest sequence; key blocks past this one's end have nothing to do.
+    const PrePostRow head0 = prepost_row(p, 0, bidb);
+    const SeqInfo seq = head0.seq;
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
     if (n_block * kBlockN >= seqlen_k) return;
-    // Scratch row of query row 0 of head h (packed: each sequence from a multiple of kAccumRowAlign).
-    const int64_t accum_row0 = seq.batch * p.accum_batch_stride +
-                               (p.cu_seqlens_q ? padded_row_offset(p.cu_seqlens_q[bidb], bidb) : 0);
-    auto accum_row = [&](int h) { return accum_row0 + h * p.accum_head_stride; };
+    auto accum_row = [&](int h) { return head0.accum_row0 + h * p.accum_head_stride; };
     const Mask bm(seqlen_q, seqlen_k, p.window_left, p.window_right);
     // Softcap: P = exp2(tanh(s * softcap_scale) * scale_log2 - lse_log2) (params.h, SeqMaskParams).
     const float scale_log2 = p.score_scale_log2(), softcap_scale = p.softcap_scale();
@@ -104,13 +102,6 @@ struct BwdKernelSm80 {
     };
     typename Traits::GmemTiledCopy gmem_copy;
     auto gthr = gmem_copy.get_thread_slice(tid);
-    auto load_rows = [&](auto const& src, auto& dst, auto const& coord, int valid_rows) {
-      if constexpr (kEven) {
-        copy(gmem_copy, src, dst);
-      } else {
-        copy_rows(gmem_copy, src, dst, coord, valid_rows);
-      }
-    };
 
     // K and V of this CTA (keys past seqlen_k zeroed, never read).
     {
@@ -121,8 +112,8 @@ struct BwdKernelSm80 {
       Tensor cKV = gthr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
       Tensor tKsK = gthr.partition_D(sK);
       Tensor tVsV = gthr.partition_D(sV);
-      load_rows(gthr.partition_S(gK), tKsK, cKV, seqlen_k - n_block * kBlockN);
-      load_rows(gthr.partition_S(gV), tVsV, cKV, seqlen_k - n_block * kBlockN);
+      copy_rows<kEven>(gmem_copy, gthr.partition_S(gK), tKsK, cKV, seqlen_k - n_block * kBlockN);
+      copy_rows<kEven>(gmem_copy, gthr.partition_S(gV), tVsV, cKV, seqlen_k - n_block * kBlockN);
     }
 
     // Step t covers query head bidh_kv * head_ratio + t / num_m, query block m_min + t % num_m; the loop
@@ -138,8 +129,8 @@ struct BwdKernelSm80 {
       Tensor cQ = gthr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
       Tensor tQsQ = gthr.partition_D(sQ);
       Tensor tdOsdO = gthr.partition_D(sdO);
-      load_rows(gthr.partition_S(gQ), tQsQ, cQ, seqlen_q - m_block * kBlockM);
-      load_rows(gthr.partition_S(gdO), tdOsdO, cQ, seqlen_q - m_block * kBlockM);
+      copy_rows<kEven>(gmem_copy, gthr.partition_S(gQ), tQsQ, cQ, seqlen_q - m_block * kBlockM);
+      copy_rows<kEven>(gmem_copy, gthr.partition_S(gdO), tdOsdO, cQ, seqlen_q - m_block * kBlockM);
       // lse_log2 and D: rows up to the 128-row padding exist in the scratch (+inf and 0 past seqlen_q). In the
       // same cp.async group as Q and dO: a plain load here stalled the issuing warps on global latency.
       if (tid < kBlockM) {

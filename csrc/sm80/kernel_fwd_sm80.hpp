@@ -41,14 +41,19 @@ CUTE_HOST_DEVICE constexpr auto sm80_acc_as_a_layout(Layout acc) {
 
 // Rows [0, valid_rows) of a tile from global to shared memory with cp.async; the other rows are zeroed with
 // plain stores (nothing past the tensor's end is read). `coord` is the copy partition of the tile's identity.
-template <class TiledCopy, class TS, class TD, class TC>
+// kAllValid (the kernels' kEven): every row exists, so no predicates.
+template <bool kAllValid = false, class TiledCopy, class TS, class TD, class TC>
 CUTE_DEVICE void copy_rows(TiledCopy const& tiled_copy, TS const& src, TD& dst, TC const& coord, int valid_rows) {
+  if constexpr (kAllValid) {
+    copy(tiled_copy, src, dst);
+  } else {
 #pragma unroll
-  for (int m = 0; m < size<1>(dst); ++m) {
-    if (get<0>(coord(0, m, 0)) < valid_rows) {
-      copy(tiled_copy, src(_, m, _), dst(_, m, _));
-    } else {
-      clear(dst(_, m, _));
+    for (int m = 0; m < size<1>(dst); ++m) {
+      if (get<0>(coord(0, m, 0)) < valid_rows) {
+        copy(tiled_copy, src(_, m, _), dst(_, m, _));
+      } else {
+        clear(dst(_, m, _));
+      }
     }
   }
 }
@@ -178,15 +183,8 @@ struct FwdKernelSm80 {
     Tensor tKVcKV = gthr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
 
     int n = n_max - 1;
-    auto load_rows = [&](auto const& src, auto& dst, auto const& coord, int valid_rows) {
-      if constexpr (kEven) {
-        copy(gmem_copy, src, dst);
-      } else {
-        copy_rows(gmem_copy, src, dst, coord, valid_rows);
-      }
-    };
-    load_rows(tQgQ, tQsQ, tQcQ, seqlen_q - m_block * kBlockM);
-    load_rows(tKgK(_, _, _, n), tKsK, tKVcKV, seqlen_k - n * kBlockN);
+    copy_rows<kEven>(gmem_copy, tQgQ, tQsQ, tQcQ, seqlen_q - m_block * kBlockM);
+    copy_rows<kEven>(gmem_copy, tKgK(_, _, _, n), tKsK, tKVcKV, seqlen_k - n * kBlockN);
     cp_async_fence();
 
     typename Traits::TiledMma tiled_mma;
@@ -226,7 +224,7 @@ struct FwdKernelSm80 {
       clear(tSrS);
       cp_async_wait<0>();
       __syncthreads();  // K[n] (and Q) visible to all; every warp is done with V[n + 1]
-      load_rows(tVgV(_, _, _, n), tVsV, tKVcKV, seqlen_k - n * kBlockN);
+      copy_rows<kEven>(gmem_copy, tVgV(_, _, _, n), tVsV, tKVcKV, seqlen_k - n * kBlockN);
       cp_async_fence();
 
       gemm_smem(tiled_mma, tSrQ, tSrK, tSrS, tSsQ, tSsK, copy_q, copy_k);
@@ -239,7 +237,7 @@ struct FwdKernelSm80 {
       cp_async_wait<0>();
       __syncthreads();  // V[n] visible to all; every warp is done with K[n]
       if (n > n_min) {
-        load_rows(tKgK(_, _, _, n - 1), tKsK, tKVcKV, seqlen_k - (n - 1) * kBlockN);
+        copy_rows<kEven>(gmem_copy, tKgK(_, _, _, n - 1), tKsK, tKVcKV, seqlen_k - (n - 1) * kBlockN);
         cp_async_fence();
       }
 
