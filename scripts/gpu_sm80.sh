@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The Ampere path on a Hopper GPU: build the sm90 and sm80 kernels, run the GPU tests with
-# FLASH_ATTN4_FORCE_SM80=1 (forward, backward, windows, softcap, varlen), and benchmark it against SDPA's FA2 backend.
+# FLASH_ATTN4_FORCE_SM80=1 (forward, backward, windows, softcap, varlen), and benchmark it against SDPA's
+# FA2 backend.
 #
 #   bash scripts/gpu_sm80.sh      # logs and benchmarks/results-style JSON in $OUT (or build/gpu_sm80)
 #
