@@ -131,7 +131,6 @@ void set_options(P& p, const Options& o) {
   p.batch = o.batch, p.seqlen_q = o.seqlen_q, p.seqlen_k = o.seqlen_k;
 }
 
-
 std::string mask_name(const Options& o) { return o.local ? "window" : o.causal ? "causal" : "no mask"; }
 
 // Strides of a (batch, seqlen, heads, d) tensor, or of a packed (total, heads, d) one (batch stride 0).

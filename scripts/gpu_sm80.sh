@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The Ampere path on a Hopper GPU: build the sm90 and sm80 kernels, run the GPU tests with
-# FLASH_ATTN4_FORCE_SM80=1 (forward and backward), and benchmark it against SDPA's FA2 backend.
+# FLASH_ATTN4_FORCE_SM80=1 (forward, backward, windows, softcap, varlen), and benchmark it against SDPA's
+# FA2 backend.
 #
 #   bash scripts/gpu_sm80.sh      # logs and benchmarks/results-style JSON in $OUT (or build/gpu_sm80)
 #
@@ -26,7 +27,7 @@ if [[ "${SKIP_BUILD:-0}" != 1 ]]; then
 fi
 export FLASH_ATTN4_FORCE_SM80=1
 $PY -m flash_attn4 --no-self-test 2>&1 | tail -n 6
-timeout "${TEST_TIMEOUT:-240}" $PY -m pytest -q tests/test_fwd_gpu.py tests/test_bwd_gpu.py 2>&1 | tee "$LOG/test.log" | tail -n 15
+timeout "${TEST_TIMEOUT:-240}" $PY -m pytest -q tests/test_fwd_gpu.py tests/test_bwd_gpu.py tests/test_features_gpu.py 2>&1 | tee "$LOG/test.log" | tail -n 15
 test_rc=${PIPESTATUS[0]}
 for d in fwd bwd; do
   flag=$([[ $d == bwd ]] && echo --bwd)
