@@ -197,19 +197,32 @@ struct BwdKernelSm80 {
       Tensor tSrdP = partition_fragment_C(mma, TileS{});
       clear(tSrS);
       clear(tSrdP);
+      Tensor tSrS_rc = make_tensor(tSrS.data(), sm80_acc_rowcol_layout(tSrS.layout()));
+      Tensor tSrdP_rc = make_tensor(tSrdP.data(), sm80_acc_rowcol_layout(tSrdP.layout()));
+      // Masked (query, key) pairs get S = -inf, so exp2 below gives P = 0 (lse_log2 is +inf, never -inf, for
+      // rows without keys). A pass of its own behind a uniform branch, between the two GEMMs: testing every
+      // element inside the probabilities loop cost every step 266 instructions and kept ptxas from
+      // interleaving that loop with the dP^T GEMM (hdim 128 causal: 1251 vs the non-causal 985 instructions a
+      // step); here a step that needs no mask runs the non-causal schedule.
+      const bool need_mask = (!kEven || kCausal || kLocal) && bm.tile_needs_mask(m_block, n_block);
       gemm_smem(mma, tSrK, tSrQ, tSrS, tSsK, copy_b.get_thread_slice(tid).partition_S(sQ), copy_a, copy_b);
+      if (need_mask) {
+#pragma unroll
+        for (int c = 0; c < size<1>(tSrS_rc); ++c) {
+          const int query = m_block * kBlockM + get<1>(tScS_rc(0, c));
+#pragma unroll
+          for (int r = 0; r < size<0>(tSrS_rc); ++r) {
+            if (bm.masked(query, n_block * kBlockN + get<0>(tScS_rc(r, c)))) tSrS_rc(r, c) = -INFINITY;
+          }
+        }
+      }
       gemm_smem(mma, tSrV, tSrQ, tSrdP, tSsV, copy_b.get_thread_slice(tid).partition_S(sdO), copy_a, copy_b);
       // The next block's loads go out behind the first GEMMs, not right after the barrier, where every warp
       // would issue their address arithmetic at once while the tensor cores wait.
       if (t + 1 < steps) load_step(next_bidh, next_m_block, s ^ 1);
       cp_async_fence();
 
-      // P^T = exp2(S^T * scale_log2 - lse_log2[q]) (0 where masked), dS^T = P^T * (dP^T - D[q]).
-      Tensor tSrS_rc = make_tensor(tSrS.data(), sm80_acc_rowcol_layout(tSrS.layout()));
-      Tensor tSrdP_rc = make_tensor(tSrdP.data(), sm80_acc_rowcol_layout(tSrdP.layout()));
-      // One loop with a run-time mask test: two copies (masked / unmasked, a uniform branch) made ptxas spill
-      // 16-24 bytes at hdim 128 (0 with one copy).
-      const bool need_mask = (!kEven || kCausal || kLocal) && bm.tile_needs_mask(m_block, n_block);
+      // P^T = exp2(S^T * scale_log2 - lse_log2[q]) (0 where masked: S = -inf), dS^T = P^T * (dP^T - D[q]).
       // With softcap the score was cap * t, t = tanh(s * scale / cap), so dS picks up dt/ds ~ (1 - t^2): a
       // pass of its own, S becomes t and dP becomes (dP - D) * (1 - t^2) + D, so the loop below is the one
       // without softcap (adding and subtracting D costs an ulp of D, the size of the rounding in dP - D).
@@ -220,7 +233,12 @@ struct BwdKernelSm80 {
 #pragma unroll
           for (int r = 0; r < size<0>(tSrS_rc); ++r) {
             const float t = tanh_approx(tSrS_rc(r, c) * softcap_scale);
-            tSrS_rc(r, c) = t;
+            // A masked score stays -inf (tanh would make it -1); its dS is 0 whatever dP becomes.
+            if constexpr (kCausal || kLocal || !kEven) {
+              tSrS_rc(r, c) = tSrS_rc(r, c) == -INFINITY ? -INFINITY : t;
+            } else {
+              tSrS_rc(r, c) = t;
+            }
             tSrdP_rc(r, c) = fmaf(tSrdP_rc(r, c) - dpsum, 1.f - t * t, dpsum);
           }
         }
@@ -231,10 +249,7 @@ struct BwdKernelSm80 {
         const float lse = lse_s[query], dpsum = dpsum_s[query];
 #pragma unroll
         for (int r = 0; r < size<0>(tSrS_rc); ++r) {
-          float prob = exp2_approx(fmaf(tSrS_rc(r, c), scale_log2, -lse));
-          if (need_mask && bm.masked(m_block * kBlockM + query, n_block * kBlockN + get<0>(tScS_rc(r, c)))) {
-            prob = 0.f;
-          }
+          const float prob = exp2_approx(fmaf(tSrS_rc(r, c), scale_log2, -lse));
           tSrS_rc(r, c) = prob;
           tSrdP_rc(r, c) = prob * (tSrdP_rc(r, c) - dpsum);
         }
