@@ -231,6 +231,11 @@ struct FwdKernelSm80 {
       if constexpr (kSoftcap) apply_softcap(tSrS, softcap_scale);
       Tensor tSrS_rc = make_tensor(tSrS.data(), sm80_acc_rowcol_layout(tSrS.layout()));
       if ((!kEven || kCausal || kLocal) && (n >= mask_from || (kLocal && n < mask_below))) {
+        // pmevent (a performance-monitor trigger, no effect on the results) keeps this a branch: without it
+        // ptxas if-converted the ~150-instruction mask into predicated code that every step issued (ncu,
+        // hdim 64 causal: 793 warp instructions a step against the non-causal kernel's 634). An empty asm or
+        // a warp vote did not stop it; ptxas does not predicate across this instruction.
+        asm volatile("pmevent 0;");
         apply_mask(tSrS_rc, tScS_rc, m_block * kBlockM, n * kBlockN, bm);
       }
 
