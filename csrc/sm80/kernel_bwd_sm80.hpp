@@ -177,6 +177,14 @@ struct BwdKernelSm80 {
     Tensor tdQsdS = copy_dq_a.get_thread_slice(tid).partition_S(sdS);
     Tensor tdQsKt = copy_dq_b.get_thread_slice(tid).partition_S(sKt);
 
+    if constexpr (Traits::kKVInRegs) {
+      // K and V landed with the first step's group (cp_async_wait<0> below would wait for it anyway).
+      cp_async_wait<0>();
+      __syncthreads();
+      copy(copy_a, tSsK, copy_a.get_thread_slice(tid).retile_D(tSrK));
+      copy(copy_a, tSsV, copy_a.get_thread_slice(tid).retile_D(tSrV));
+    }
+
     int bidh = bidh_kv * head_ratio, m_block = m_min;
 #pragma unroll 1
     for (int t = 0; t < steps; ++t) {
@@ -205,7 +213,11 @@ struct BwdKernelSm80 {
       // interleaving that loop with the dP^T GEMM (hdim 128 causal: 1251 vs the non-causal 985 instructions a
       // step); here a step that needs no mask runs the non-causal schedule.
       const bool need_mask = (!kEven || kCausal || kLocal) && bm.tile_needs_mask(m_block, n_block);
-      gemm_smem(mma, tSrK, tSrQ, tSrS, tSsK, copy_b.get_thread_slice(tid).partition_S(sQ), copy_a, copy_b);
+      if constexpr (Traits::kKVInRegs) {
+        gemm_rs(mma, tSrK, tSrQ, tSrS, copy_b.get_thread_slice(tid).partition_S(sQ), copy_b);
+      } else {
+        gemm_smem(mma, tSrK, tSrQ, tSrS, tSsK, copy_b.get_thread_slice(tid).partition_S(sQ), copy_a, copy_b);
+      }
       if (need_mask) {
 #pragma unroll
         for (int c = 0; c < size<1>(tSrS_rc); ++c) {
@@ -216,7 +228,11 @@ struct BwdKernelSm80 {
           }
         }
       }
-      gemm_smem(mma, tSrV, tSrQ, tSrdP, tSsV, copy_b.get_thread_slice(tid).partition_S(sdO), copy_a, copy_b);
+      if constexpr (Traits::kKVInRegs) {
+        gemm_rs(mma, tSrV, tSrQ, tSrdP, copy_b.get_thread_slice(tid).partition_S(sdO), copy_b);
+      } else {
+        gemm_smem(mma, tSrV, tSrQ, tSrdP, tSsV, copy_b.get_thread_slice(tid).partition_S(sdO), copy_a, copy_b);
+      }
       // The next block's loads go out behind the first GEMMs, not right after the barrier, where every warp
       // would issue their address arithmetic at once while the tensor cores wait.
       if (t + 1 < steps) load_step(next_bidh, next_m_block, s ^ 1);

@@ -25,6 +25,10 @@ struct BwdTraitsSm80 {
   static constexpr int kNWarps = 8;
   static constexpr int kNumThreads = kNWarps * 32;
   static constexpr int kStages = 2;  // Q / dO buffers
+  // K and V as the A operands of S^T / dP^T stay in registers for the CTA's life instead of being re-read
+  // from shared memory every step (ncu: the kernel is bound by shared-memory reads). 32 registers at hdim 64;
+  // at hdim 128 it would be 64, which the 255-register budget does not have.
+  static constexpr bool kKVInRegs = kHeadDim <= 64;
   static_assert(kHeadDim % 32 == 0 && kHeadDim <= 128, "the sm80 backward covers head dims 32..128");
 
   using MmaAtom = Sm80MmaAtom<Element>;
