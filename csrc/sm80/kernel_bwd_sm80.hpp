@@ -1,7 +1,8 @@
 // sm80 backward kernel (see kernel_traits_bwd_sm80.hpp for the math and the tiling): one CTA per (key
 // block, kv head, batch). Per query block, with Q, dO, lse_log2 and D of this block already in shared memory:
-//   wait;  S^T = K Q^T, dP^T = V dO^T;  prefetch the next block's Q, dO, lse_log2 and D (all cp.async) into
-//   the other buffer;  P^T, dS^T in registers;  dV += P^T dO;  dS^T -> shared memory;
+//   wait;  S^T = K Q^T (masked scores -> -inf, only in the blocks that need it);  dP^T = V dO^T;  prefetch
+//   the next block's Q, dO, lse_log2 and D (all cp.async) into the other buffer;  P^T, dS^T in registers;
+//   dV += P^T dO;  dS^T -> shared memory;
 //   dQ = dS K, reduce-added into dq_accum;  dK += dS^T Q (its MMAs run while the reductions drain).
 // dq_accum holds each 64-row block in the dQ accumulator's register order (element e of thread t at
 // e * kNumThreads + t), so one warp-wide reduction covers one 128-byte line; the post-pass below reads it back
@@ -27,8 +28,8 @@ namespace flash4 {
 
 using namespace cute;
 
-// kLocal: sliding window (BlockMask). kSoftcap: a kernel of its own, as in the sm80 forward: even jumped over,
-// a softcap pass in the middle of the step splits the basic block that ptxas schedules the exp2/dS work in.
+// kLocal: sliding window (BlockMask). kSoftcap: a kernel of its own, as in the sm80 forward: a softcap pass in
+// the middle of the step, even when jumped over, splits the basic block that ptxas schedules the exp2/dS work in.
 // kEven: seqlen_q and seqlen_k are multiples of the tile and the batch is not packed: loads without row
 // predicates and, without causal/window, no mask code in the loop (as the sm80 forward's kEven).
 template <class Traits_, bool kCausal, bool kLocal = false, bool kSoftcap = false, bool kEven = false>

@@ -20,14 +20,16 @@ template <class Element_, int kHeadDim_>
 struct BwdTraitsSm80 {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = 64;   // queries per step
+  // queries per step; 128 at hdim 64 (FA2's tile) measured -2.5% (255 registers with a spill, twice the work
+  // between barriers with all 8 warps in lockstep; docs/perf_notes.md)
+  static constexpr int kBlockM = 64;
   static constexpr int kBlockN = 128;  // keys per CTA
   static constexpr int kNWarps = 8;
   static constexpr int kNumThreads = kNWarps * 32;
   static constexpr int kStages = 2;  // Q / dO buffers
   // K and V as the A operands of S^T / dP^T stay in registers for the CTA's life instead of being re-read
-  // from shared memory every step (ncu: the kernel is bound by shared-memory reads). 32 registers at hdim 64;
-  // at hdim 128 it would be 64, which the 255-register budget does not have.
+  // from shared memory every step (ncu: the kernel is bound by shared-memory reads); measured +4-7% at hdim
+  // 64. 32 registers at hdim 64; at hdim 128 it would be 64, which the 255-register budget does not have.
   static constexpr bool kKVInRegs = kHeadDim <= 64;
   static_assert(kHeadDim % 32 == 0 && kHeadDim <= 128, "the sm80 backward covers head dims 32..128");
 
