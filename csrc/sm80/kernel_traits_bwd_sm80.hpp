@@ -36,9 +36,11 @@ struct BwdTraitsSm80 {
   using MmaAtom = Sm80MmaAtom<Element>;
   // Rows = keys: S^T, dP^T, dV, dK. 8 warps x 16 keys.
   using TiledMmaKey = TiledMMA<MmaAtom, Layout<Shape<_8, _1, _1>>, Tile<_128, _16, _16>>;
-  // Rows = queries: dQ. 4 x 2 warps over (64 queries, head_dim).
-  // N tile 32: each warp covers 16 head-dim columns, the width a transposing ldmatrix.x4 loads for B.
-  using TiledMmadQ = TiledMMA<MmaAtom, Layout<Shape<_4, _2, _1>>, Tile<_64, _32, _16>>;
+  // Rows = queries: dQ. 2 x 4 warps over (64 queries, head_dim), 16 head-dim columns a warp per N tile (the
+  // width a transposing ldmatrix.x4 loads for B). Against 4 x 2, each warp reads 32 instead of 16 rows of dS
+  // and half the columns of K^T: at hdim 128, 128 instead of 160 KB of ldmatrix a step for this GEMM (the
+  // kernel is bound by shared-memory reads).
+  using TiledMmadQ = TiledMMA<MmaAtom, Layout<Shape<_2, _4, _1>>, Tile<_32, _64, _16>>;
 
   using Tiling = Sm80SmemTiling<Element, kHeadDim, kNumThreads>;
   using SmemLayoutAtom = typename Tiling::SmemLayoutAtom;
