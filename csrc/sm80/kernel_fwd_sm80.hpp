@@ -182,14 +182,9 @@ struct FwdKernelSm80 {
     Tensor tQcQ = gthr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
     Tensor tKVcKV = gthr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
 
-    // Q and the first K in one cp.async group, the first V in the next: the first step then waits only for the
-    // first group and finds V already on its way, instead of issuing it after that wait (one global-memory
-    // latency less a tile; later steps issue V[n] at their start, as before).
     int n = n_max - 1;
     copy_rows<kEven>(gmem_copy, tQgQ, tQsQ, tQcQ, seqlen_q - m_block * kBlockM);
     copy_rows<kEven>(gmem_copy, tKgK(_, _, _, n), tKsK, tKVcKV, seqlen_k - n * kBlockN);
-    cp_async_fence();
-    copy_rows<kEven>(gmem_copy, tVgV(_, _, _, n), tVsV, tKVcKV, seqlen_k - n * kBlockN);
     cp_async_fence();
 
     typename Traits::TiledMma tiled_mma;
@@ -227,16 +222,10 @@ struct FwdKernelSm80 {
     for (bool first = true; n >= n_min; --n, first = false) {
       Tensor tSrS = partition_fragment_C(tiled_mma, TileS{});
       clear(tSrS);
-      if (first) {
-        cp_async_wait<1>();  // Q and K[n]; V[n] may still be in flight
-      } else {
-        cp_async_wait<0>();
-      }
+      cp_async_wait<0>();
       __syncthreads();  // K[n] (and Q) visible to all; every warp is done with V[n + 1]
-      if (!first) {
-        copy_rows<kEven>(gmem_copy, tVgV(_, _, _, n), tVsV, tKVcKV, seqlen_k - n * kBlockN);
-        cp_async_fence();
-      }
+      copy_rows<kEven>(gmem_copy, tVgV(_, _, _, n), tVsV, tKVcKV, seqlen_k - n * kBlockN);
+      cp_async_fence();
 
       gemm_smem(tiled_mma, tSrQ, tSrK, tSrS, tSsQ, tSsK, copy_q, copy_k);
       if constexpr (kSoftcap) apply_softcap(tSrS, softcap_scale);
