@@ -19,8 +19,7 @@ void run_bwd_sm80(const BwdParams& p, cudaStream_t stream) {
   check_cuda(cudaGetLastError(), "sm80 backward pre-pass launch");
   // Softcap is a kernel of its own (as in the forward), and lengths that are multiples of the tile
   // (fixed-length batches) take the kernel without row predicates.
-  const bool even = p.cu_seqlens_q == nullptr && p.seqused_q == nullptr && p.seqused_k == nullptr &&
-                    p.seqlen_q % Traits::kBlockM == 0 && p.seqlen_k % Traits::kBlockN == 0;
+  const bool even = tiles_even(p, Traits::kBlockM, Traits::kBlockN);
   auto launch = [&](auto softcap, auto even_c) {
     using Kernel = BwdKernelSm80<Traits, kCausal, kLocal, decltype(softcap)::value, decltype(even_c)::value>;
     launch_kernel<Kernel>(kernel_entry_sm80<Kernel>, p, stream, "sm80 backward kernel launch");

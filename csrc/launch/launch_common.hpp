@@ -25,6 +25,14 @@ inline void check_cuda(cudaError_t err, const char* what) {
   }
 }
 
+// Whether a fixed-length batch's lengths are multiples of the tile, so the kernels' kEven variant (no row
+// predicates, no key-end mask) serves it. Packed batches and seqused never qualify.
+template <class HostParams>
+bool tiles_even(const HostParams& p, int block_m, int block_n) {
+  return p.cu_seqlens_q == nullptr && p.seqused_q == nullptr && p.seqused_k == nullptr &&
+         p.seqlen_q % block_m == 0 && p.seqlen_k % block_n == 0;
+}
+
 // Launches `entry` (a kernel_entry_smXX<Kernel>) with Kernel's Params built from the torch-free params `p`.
 template <class Kernel, class Entry, class HostParams>
 void launch_kernel(Entry entry, const HostParams& p, cudaStream_t stream, const char* what) {

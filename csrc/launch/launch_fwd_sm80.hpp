@@ -29,9 +29,7 @@ void run_fwd_sm80(const FwdParams& p, cudaStream_t stream) {
   using Traits = FwdTraitsSm80<CutlassElement<kDType>, kHeadDim, tile.block_m, tile.block_n, tile.warps>;
   // Lengths that are multiples of the tile (fixed-length batches) take the kernel without row predicates and
   // key-end mask code: hdim 64 non-causal +8%, hdim 128 +3-5% (measured, docs/perf_notes.md, session 4).
-  const bool even = p.cu_seqlens_q == nullptr && p.seqused_q == nullptr && p.seqused_k == nullptr &&
-                    p.seqlen_q % tile.block_m == 0 && p.seqlen_k % tile.block_n == 0;
-  if (even) {
+  if (tiles_even(p, tile.block_m, tile.block_n)) {
     launch_fwd_sm80_cap<Traits, kCausal, kLocal, true>(p, stream);
   } else {
     launch_fwd_sm80_cap<Traits, kCausal, kLocal, false>(p, stream);
