@@ -48,15 +48,20 @@ struct BwdTraitsSm80 {
   // Rows = keys: S^T, dP^T, dV, dK. The warps of one half x 16 keys.
   using TiledMmaKey =
       TiledMMA<MmaAtom, Layout<Shape<Int<kNWarps / kSplit>, _1, _1>>, Tile<Int<kBlockN>, _16, _16>>;
-  // Rows = queries: dQ, all 8 warps: 2 x 4 over (kBlockM queries, head_dim), 16 head-dim columns a warp per N
-  // tile (the width a transposing ldmatrix.x4 loads for B). Against 4 x 2 at 64 queries, each warp reads 32
-  // instead of 16 rows of dS and half the columns of K^T: at hdim 128, 128 instead of 160 KB of ldmatrix a
-  // step for this GEMM (the kernel is bound by shared-memory reads).
-  using TiledMmadQ = TiledMMA<MmaAtom, Layout<Shape<_2, _4, _1>>, Tile<_32, _64, _16>>;
+  // Rows = queries: dQ, all 8 warps. Above hdim 64, 2 x 4 over (kBlockM queries, head_dim), 16 head-dim
+  // columns a warp per N tile (the width a transposing ldmatrix.x4 loads for B): against 4 x 2 at 64 queries,
+  // each warp reads 32 instead of 16 rows of dS and half the columns of K^T, at hdim 128 128 instead of 160 KB
+  // of ldmatrix a step (the kernel is bound by shared-memory reads); measured +1.5-2.5% at hdim 128. At hdim
+  // 64 both read the same bytes and 2 x 4 measured 3.5-4.5% slower, so it keeps 4 x 2 (docs/perf_notes.md).
+  using TiledMmadQ = std::conditional_t<(kHeadDim <= 64 && kBlockM == 64),
+                                        TiledMMA<MmaAtom, Layout<Shape<_4, _2, _1>>, Tile<_64, _32, _16>>,
+                                        TiledMMA<MmaAtom, Layout<Shape<_2, _4, _1>>, Tile<_32, _64, _16>>>;
 
   // The swizzle atom follows a half's width: a half's column slice of Q^T / dO^T must be whole atoms (hdim
   // 192: halves of 96 columns, so 32-column atoms).
-  using Tiling = Sm80SmemTiling<Element, kHeadDimKV, kNumThreads>;
+  using Tiling = Sm80SmemTiling<Element, kHeadDimKV, kNumThreads, kHeadDim>;
+  static_assert(kBlockM % Tiling::kRowsPerPass == 0 && kBlockN % Tiling::kRowsPerPass == 0,
+                "a global -> shared copy pass must not cover more rows than a Q or K tile");
   using SmemLayoutAtom = typename Tiling::SmemLayoutAtom;
   using SmemLayoutKV = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));  // one stage
