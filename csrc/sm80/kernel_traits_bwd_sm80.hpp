@@ -52,8 +52,11 @@ struct BwdTraitsSm80 {
   // columns a warp per N tile (the width a transposing ldmatrix.x4 loads for B): against 4 x 2 at 64 queries,
   // each warp reads 32 instead of 16 rows of dS and half the columns of K^T, at hdim 128 128 instead of 160 KB
   // of ldmatrix a step (the kernel is bound by shared-memory reads); measured +1.5-2.5% at hdim 128. At hdim
-  // 64 both read the same bytes and 2 x 4 measured 3.5-4.5% slower, so it keeps 4 x 2 (docs/perf_notes.md).
-  using TiledMmadQ = std::conditional_t<(kHeadDim <= 64 && kBlockM == 64),
+  // 64 both read the same bytes and 2 x 4 measured 3.5-4.5% slower, so it keeps 4 x 2 (docs/perf_notes.md), as
+  // does hdim 96, which is not a whole number of 64-column N tiles.
+  static constexpr bool kdQ2x4 = kHeadDim > 64 && kHeadDim % 64 == 0;
+  static_assert(kdQ2x4 || kBlockM == 64, "the 4 x 2 dQ layout covers 64 queries");
+  using TiledMmadQ = std::conditional_t<!kdQ2x4,
                                         TiledMMA<MmaAtom, Layout<Shape<_4, _2, _1>>, Tile<_64, _32, _16>>,
                                         TiledMMA<MmaAtom, Layout<Shape<_2, _4, _1>>, Tile<_32, _64, _16>>>;
 
