@@ -299,9 +299,10 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
   at::Tensor dq_accum = at::zeros({slices, accum_rows, head_dim}, f32);
   at::Tensor dpsum = at::empty({slices, accum_rows}, f32);
   at::Tensor lse_log2 = at::empty({slices, accum_rows}, f32);
-  // One turn counter per 64-row query block (the kernel's kBlockM), zeroed: see BwdParams::dq_semaphore.
+  // One turn counter per query block, zeroed: see BwdParams::dq_semaphore. Sized for the smallest kBlockM of
+  // any backward kernel (32: the sm80 kernel at head dims > 128); kernels with larger blocks use fewer.
   at::Tensor dq_semaphore =
-      deterministic ? at::zeros({slices, accum_rows / 64}, q.options().dtype(at::kInt)) : at::Tensor();
+      deterministic ? at::zeros({slices, accum_rows / 32}, q.options().dtype(at::kInt)) : at::Tensor();
 
   flash4::BwdParams p;
   set_options(p, o);

@@ -18,7 +18,7 @@ BWD_ARCHS = (90, 80)
 DTYPES = ("bf16", "fp16")
 HDIMS = (64, 96, 128, 192, 256)
 BWD_HDIMS = (64, 96, 128, 192, 256)
-BWD_HDIMS_SM80 = (64, 96, 128)  # the sm80 backward keeps dK and dV of 128 keys in registers: head dim <= 128
+BWD_HDIMS_SM80 = (64, 96, 128, 192, 256)  # above 128 with warp halves splitting dK / dV's columns
 # (causal, local) mask variants: none, causal, sliding window (which also serves causal + left window).
 MASKS = ((False, False), (True, False), (False, True))
 LOCAL_ARCHS = (90, 80)

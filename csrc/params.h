@@ -137,8 +137,9 @@ struct BwdParams : SeqMaskParams {
   // (nheads_q * seqlen_q_rounded, seqlen_q_rounded), packed ones (0, accum_rows).
   int64_t accum_batch_stride = 0, accum_head_stride = 0;
   // Deterministic dQ: null for the default (blocks of keys add into dq_accum in whatever order they
-  // finish), else zeroed int32 counters, one per (batch, head_q, query block of 64 rows), with which the key
-  // blocks take turns in a fixed order, so dq is bitwise reproducible.
+  // finish), else zeroed int32 counters, one per (batch, head_q, query block of the kernel's kBlockM rows, at
+  // scratch row / kBlockM), with which the key blocks take turns in a fixed order, so dq is bitwise
+  // reproducible.
   int* dq_semaphore = nullptr;
 
   int batch = 0, seqlen_q = 0, seqlen_k = 0, nheads_q = 0, nheads_kv = 0, head_dim = 0;

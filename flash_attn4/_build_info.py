@@ -181,7 +181,7 @@ def backward_hdims_for(device: torch.device) -> tuple[int, ...]:
 
 def backward_padded_hdim(dtype: torch.dtype, hdim: int, device: torch.device | None = None) -> int | None:
     """Smallest head dim >= `hdim` with a compiled backward kernel (zero padding as for the forward), or
-    None; with a CUDA `device`, of the kernel family that serves it (the sm80 path has head dims <= 128)."""
+    None; with a CUDA `device`, of the kernel family that serves it."""
     arch = 90
     if device is not None and torch.device(device).type == "cuda":
         arch = kernel_arch(torch.device(device))[0]

@@ -66,6 +66,11 @@ struct BwdKernelSm80 {
     const int n_block = reversed ? int(gridDim.x) - 1 - tile.block : tile.block;
     const int bidh_kv = tile.head, bidb = tile.batch;
     const int tid = threadIdx.x;
+    // kSplit = 2 (head dims > 128): warp half `half` owns dK / dV columns [half * kHeadDimKV, ...); its threads
+    // take part in the key-row GEMMs as threads tid_k of a 4-warp TiledMma (kernel_traits_bwd_sm80.hpp).
+    constexpr int kSplit = Traits::kSplit, kHeadDimKV = Traits::kHeadDimKV;
+    const int half = kSplit == 1 ? 0 : tid / Traits::kKeyThreads;
+    const int tid_k = kSplit == 1 ? tid : tid % Traits::kKeyThreads;
     const int head_ratio = p.nheads_q / p.nheads_kv;
     // This sequence and its scratch rows, as the pre- and post-pass find them (prepost_row). Packed batches:
     // the grid covers the longest sequence; key blocks past this one's end have nothing to do.
@@ -144,20 +149,24 @@ struct BwdKernelSm80 {
     cp_async_fence();
 
     typename Traits::TiledMmaKey mma;
-    auto thr = mma.get_thread_slice(tid);
+    auto thr = mma.get_thread_slice(tid_k);
     using TileS = Shape<Int<kBlockN>, Int<kBlockM>>;
-    using TileKV = Shape<Int<kBlockN>, Int<kHeadDim>>;
+    using TileKV = Shape<Int<kBlockN>, Int<kHeadDimKV>>;
+    // This half's columns of a transposed (head_dim, queries) view: the B operand of dV += P^T dO, dK += dS^T Q.
+    auto half_cols = [&](auto const& t) {
+      return local_tile(t, Shape<Int<kHeadDimKV>, Int<kBlockM>>{}, make_coord(half, _0{}));
+    };
     Tensor sQ0 = make_tensor(make_smem_ptr(stage_ptr(0, 0)), typename Traits::SmemLayoutQ{});
     Tensor sQt0 = make_tensor(make_smem_ptr(stage_ptr(0, 0)), typename Traits::SmemLayoutQt{});
     Tensor tSrK = thr.partition_fragment_A(sK);
     Tensor tSrV = thr.partition_fragment_A(sV);
     Tensor tSrQ = thr.partition_fragment_B(sQ0);     // also dO's
-    Tensor tdKrQt = thr.partition_fragment_B(sQt0);  // also dO^T's
+    Tensor tdKrQt = thr.partition_fragment_B(half_cols(sQt0));  // also dO^T's
     auto copy_a = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma);
     auto copy_b = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, mma);
     auto copy_bt = make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, mma);
-    Tensor tSsK = copy_a.get_thread_slice(tid).partition_S(sK);
-    Tensor tSsV = copy_a.get_thread_slice(tid).partition_S(sV);
+    Tensor tSsK = copy_a.get_thread_slice(tid_k).partition_S(sK);
+    Tensor tSsV = copy_a.get_thread_slice(tid_k).partition_S(sV);
 
     Tensor tdKrdK = partition_fragment_C(mma, TileKV{});
     Tensor tdVrdV = partition_fragment_C(mma, TileKV{});
@@ -166,7 +175,7 @@ struct BwdKernelSm80 {
     Tensor tScS = thr.partition_C(make_identity_tensor(TileS{}));  // (key, query) in the tile
     Tensor tScS_rc = make_tensor(tScS.data(), sm80_acc_rowcol_layout(tScS.layout()));
     auto copy_ds = make_tiled_copy_C(typename Traits::SmemCopyAtomdS{}, mma);
-    auto thr_copy_ds = copy_ds.get_thread_slice(tid);
+    auto thr_copy_ds = copy_ds.get_thread_slice(tid_k);
     Tensor tdSsdSt = thr_copy_ds.partition_D(sdSt);
 
     typename Traits::TiledMmadQ mma_dq;
@@ -182,8 +191,8 @@ struct BwdKernelSm80 {
       // K and V landed with the first step's group (cp_async_wait<0> below would wait for it anyway).
       cp_async_wait<0>();
       __syncthreads();
-      copy(copy_a, tSsK, copy_a.get_thread_slice(tid).retile_D(tSrK));
-      copy(copy_a, tSsV, copy_a.get_thread_slice(tid).retile_D(tSrV));
+      copy(copy_a, tSsK, copy_a.get_thread_slice(tid_k).retile_D(tSrK));
+      copy(copy_a, tSsV, copy_a.get_thread_slice(tid_k).retile_D(tSrV));
     }
 
     int bidh = bidh_kv * head_ratio, m_block = m_min;
@@ -215,9 +224,9 @@ struct BwdKernelSm80 {
       // step); here a step that needs no mask runs the non-causal schedule.
       const bool need_mask = (!kEven || kCausal || kLocal) && bm.tile_needs_mask(m_block, n_block);
       if constexpr (Traits::kKVInRegs) {
-        gemm_rs(mma, tSrK, tSrQ, tSrS, copy_b.get_thread_slice(tid).partition_S(sQ), copy_b);
+        gemm_rs(mma, tSrK, tSrQ, tSrS, copy_b.get_thread_slice(tid_k).partition_S(sQ), copy_b);
       } else {
-        gemm_smem(mma, tSrK, tSrQ, tSrS, tSsK, copy_b.get_thread_slice(tid).partition_S(sQ), copy_a, copy_b);
+        gemm_smem(mma, tSrK, tSrQ, tSrS, tSsK, copy_b.get_thread_slice(tid_k).partition_S(sQ), copy_a, copy_b);
       }
       if (need_mask) {
 #pragma unroll
@@ -230,9 +239,9 @@ struct BwdKernelSm80 {
         }
       }
       if constexpr (Traits::kKVInRegs) {
-        gemm_rs(mma, tSrV, tSrQ, tSrdP, copy_b.get_thread_slice(tid).partition_S(sdO), copy_b);
+        gemm_rs(mma, tSrV, tSrQ, tSrdP, copy_b.get_thread_slice(tid_k).partition_S(sdO), copy_b);
       } else {
-        gemm_smem(mma, tSrV, tSrQ, tSrdP, tSsV, copy_b.get_thread_slice(tid).partition_S(sdO), copy_a, copy_b);
+        gemm_smem(mma, tSrV, tSrQ, tSrdP, tSsV, copy_b.get_thread_slice(tid_k).partition_S(sdO), copy_a, copy_b);
       }
       // The next block's loads go out behind the first GEMMs, not right after the barrier, where every warp
       // would issue their address arithmetic at once while the tensor cores wait.
@@ -278,8 +287,16 @@ struct BwdKernelSm80 {
       Tensor tPrP_a = make_tensor(tPrP.data(), sm80_acc_as_a_layout(tPrP.layout()));
       Tensor tdSrdS_a = make_tensor(tdSrdS.data(), sm80_acc_as_a_layout(tdSrdS.layout()));
 
-      gemm_rs(mma, tPrP_a, tdKrQt, tdVrdV, copy_bt.get_thread_slice(tid).partition_S(sdOt), copy_bt);  // dV
-      copy(copy_ds, thr_copy_ds.retile_S(tdSrdS), tdSsdSt);
+      gemm_rs(mma, tPrP_a, tdKrQt, tdVrdV, copy_bt.get_thread_slice(tid_k).partition_S(half_cols(sdOt)),
+              copy_bt);  // dV
+      auto gemm_dk = [&] {
+        gemm_rs(mma, tdSrdS_a, tdKrQt, tdKrdK, copy_bt.get_thread_slice(tid_k).partition_S(half_cols(sQt)),
+                copy_bt);
+      };
+      // Split: dK now, so that dS^T's registers are free before dQ's accumulators (register pressure);
+      // otherwise after the dQ reductions, whose latency its MMAs hide.
+      if constexpr (kSplit == 2) gemm_dk();
+      if (half == 0) copy(copy_ds, thr_copy_ds.retile_S(tdSrdS), tdSsdSt);  // both halves hold the same dS^T
       __syncthreads();  // dS^T complete in shared memory
 
       Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
@@ -305,7 +322,7 @@ struct BwdKernelSm80 {
         if (tid == 0) release_increment_gpu(semaphore);
       }
 
-      gemm_rs(mma, tdSrdS_a, tdKrQt, tdKrdK, copy_bt.get_thread_slice(tid).partition_S(sQt), copy_bt);  // dK
+      if constexpr (kSplit == 1) gemm_dk();
       bidh = next_bidh;
       m_block = next_m_block;
     }
@@ -317,7 +334,7 @@ struct BwdKernelSm80 {
     auto write = [&](auto const& acc, void* base, int64_t batch_stride, int64_t row_stride, int64_t head_stride,
                      float scale) {
       Element* out = static_cast<Element*>(base) + seq.batch * batch_stride + bidh_kv * head_stride +
-                     (seq.offset_k + int64_t(n_block) * kBlockN) * row_stride;
+                     (seq.offset_k + int64_t(n_block) * kBlockN) * row_stride + half * kHeadDimKV;
       store_pairs(acc, tdKVc, out, row_stride, seqlen_k - n_block * kBlockN, scale);
     };
     write(tdKrdK, p.dk, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride, p.softmax_scale);
