@@ -28,18 +28,18 @@ constexpr FwdTileSm90 fwd_tile_sm90(int head_dim, bool causal) {
 }
 
 // sm80 forward (cp.async + mma.sync): kBlockM query rows over kWarps warps (16 rows per warp per slab),
-// kBlockN keys, one K and one V buffer. Registers per thread: O = kBlockM / (16 kWarps) * head_dim / 2 fp32,
-// S = kBlockM / (16 kWarps) * kBlockN / 2, P half of S. What chose each row (H200, forced sm80 path, against
-// SDPA's FA2 backend in the same run; docs/perf_notes.md):
+// kBlockN keys, two K and V buffers at hdim 64 / 128 (FwdTraitsSm80::kStages), one otherwise. Registers per
+// thread: O = kBlockM / (16 kWarps) * head_dim / 2 fp32, S = kBlockM / (16 kWarps) * kBlockN / 2, P half of S.
+// What chose each row (H200, forced sm80 path, against SDPA's FA2 backend in the same run; docs/perf_notes.md):
 //   hdim <= 64: 128 x 64, 4 warps. FA2's 128 x 128 spills 148-184 bytes (S 128 + O 64 registers) and
-//     measured -33% non-causal; 128 x 64 runs 0.96-1.02x FA2.
+//     measured -33% non-causal; 128 x 64 runs 1.00-1.05x FA2 (seqlen 2k-8k, with two K / V buffers).
 //   hdim <= 128: 128 x 32, 4 warps. 128 x 64 over 4 warps spills 64-128 bytes (O 128 + S 64 + P 32); over 8
 //     warps it compiles without spills but measured 0.74x FA2 (every warp reads all of K and V); 128 x 32
-//     runs 0.96-1.07x FA2.
+//     runs 0.98-1.08x FA2 (seqlen 2k-8k, with two K / V buffers).
 //   hdim > 128: 128 x 64, 8 warps (one 16-row slab a warp, O 128 registers at hdim 256); passes the GPU tests,
 //     speed not compared yet.
-// Shared memory (Q + K + V): hdim 128 at 128 x 32 is 48 KB, hdim 256 at 128 x 64 is 128 KB (one CTA on A100
-// and H100; too large for sm86/89's 99 KB, which will need its own row of this table).
+// Shared memory (Q + kStages x (K + V)): hdim 128 at 128 x 32 is 64 KB, hdim 256 at 128 x 64 is 128 KB (one
+// CTA on A100 and H100; too large for sm86/89's 99 KB, which will need its own row of this table).
 struct FwdTileSm80 {
   int block_m;
   int block_n;

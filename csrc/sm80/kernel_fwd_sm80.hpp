@@ -1,9 +1,12 @@
 // sm80 forward kernel: one CTA per (kBlockM query rows, query head, batch), looping over key blocks from the
 // last one down (the causal diagonal blocks, the only masked ones, come first).
 //
-// Per key block n, with K[n] already in shared memory:
-//   wait for K[n]; start V[n] (cp.async);  S = Q K[n]^T (ldmatrix + mma.sync);  mask (boundary blocks)
-//   wait for V[n]; start K[n-1];           online softmax, rescale O;  O += P V[n] (P from registers)
+// Two K / V buffers (Traits::kStages = 2, hdim <= 128), per key block n with K[n] and V[n] issued a block
+// earlier:
+//   wait for K[n], V[n]; start K[n-1], V[n-1] into the other buffers;  S = Q K[n]^T (ldmatrix + mma.sync);
+//   mask (boundary blocks);  online softmax, rescale O;  O += P V[n] (P from registers)
+// so each load has a whole block's work to land under, with one barrier a block. One buffer each (hdim > 128):
+//   wait for K[n]; start V[n];  S = Q K[n]^T;  mask;  wait for V[n]; start K[n-1];  softmax;  O += P V[n]
 // so each load overlaps the other GEMM. Rows past seqlen_q and keys past seqlen_k are zero-filled in shared
 // memory (never read from global memory) and masked. The epilogue stages O through Q's shared memory for
 // 16-byte stores and writes the natural-log LSE.
@@ -43,7 +46,7 @@ CUTE_HOST_DEVICE constexpr auto sm80_acc_as_a_layout(Layout acc) {
 // plain stores (nothing past the tensor's end is read). `coord` is the copy partition of the tile's identity.
 // kAllValid (the kernels' kEven): every row exists, so no predicates.
 template <bool kAllValid = false, class TiledCopy, class TS, class TD, class TC>
-CUTE_DEVICE void copy_rows(TiledCopy const& tiled_copy, TS const& src, TD& dst, TC const& coord, int valid_rows) {
+CUTE_DEVICE void copy_rows(TiledCopy const& tiled_copy, TS const& src, TD&& dst, TC const& coord, int valid_rows) {
   if constexpr (kAllValid) {
     copy(tiled_copy, src, dst);
   } else {
@@ -105,6 +108,7 @@ struct FwdKernelSm80 {
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kHeadDim = Traits::kHeadDim;
   static constexpr int kNumThreads = Traits::kNumThreads;
+  static constexpr int kStages = Traits::kStages;
   static constexpr int kSmemBytes = Traits::kSmemBytes;
   using Params = FwdParams;  // plain pointers and strides: no descriptors to build on the host
 
@@ -167,8 +171,8 @@ struct FwdKernelSm80 {
 
     Element* smem = reinterpret_cast<Element*>(smem_buf);
     Tensor sQ = make_tensor(make_smem_ptr(smem), typename Traits::SmemLayoutQ{});
-    Tensor sK = make_tensor(sQ.data() + size(sQ), typename Traits::SmemLayoutKV{});
-    Tensor sV = make_tensor(sK.data() + size(sK), typename Traits::SmemLayoutKV{});
+    Tensor sK = make_tensor(sQ.data() + size(sQ), typename Traits::SmemLayoutKV{});  // buffer 0 of kStages
+    Tensor sV = make_tensor(sK.data() + kStages * Traits::kElemsKV, typename Traits::SmemLayoutKV{});
     Tensor sVt = make_tensor(sV.data(), typename Traits::SmemLayoutVt{});
 
     typename Traits::GmemTiledCopy gmem_copy;
@@ -182,9 +186,15 @@ struct FwdKernelSm80 {
     Tensor tQcQ = gthr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
     Tensor tKVcKV = gthr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
 
+    // Buffer s of K (V) is kElemsKV elements past buffer 0: a whole number of swizzle periods, so the
+    // partitioned views of buffer 0 shifted by that offset address buffer s.
+    auto in_stage = [](auto const& t, int s) {
+      return make_tensor(t.data() + (kStages == 2 ? s : 0) * Traits::kElemsKV, t.layout());
+    };
     int n = n_max - 1;
     copy_rows<kEven>(gmem_copy, tQgQ, tQsQ, tQcQ, seqlen_q - m_block * kBlockM);
     copy_rows<kEven>(gmem_copy, tKgK(_, _, _, n), tKsK, tKVcKV, seqlen_k - n * kBlockN);
+    if constexpr (kStages == 2) copy_rows<kEven>(gmem_copy, tVgV(_, _, _, n), tVsV, tKVcKV, seqlen_k - n * kBlockN);
     cp_async_fence();
 
     typename Traits::TiledMma tiled_mma;
@@ -219,15 +229,25 @@ struct FwdKernelSm80 {
     const int mask_below = bm.n_block_left_mask_max(m_block);
 
 #pragma unroll 1
-    for (bool first = true; n >= n_min; --n, first = false) {
+    for (bool first = true, stage = false; n >= n_min; --n, first = false, stage = !stage) {
       Tensor tSrS = partition_fragment_C(tiled_mma, TileS{});
       clear(tSrS);
       cp_async_wait<0>();
-      __syncthreads();  // K[n] (and Q) visible to all; every warp is done with V[n + 1]
-      copy_rows<kEven>(gmem_copy, tVgV(_, _, _, n), tVsV, tKVcKV, seqlen_k - n * kBlockN);
-      cp_async_fence();
+      if constexpr (kStages == 2) {
+        __syncthreads();  // K[n], V[n] (and Q) visible to all; every warp is done with the other buffers
+        if (n > n_min) {
+          const int next = !stage;
+          copy_rows<kEven>(gmem_copy, tKgK(_, _, _, n - 1), in_stage(tKsK, next), tKVcKV, seqlen_k - (n - 1) * kBlockN);
+          copy_rows<kEven>(gmem_copy, tVgV(_, _, _, n - 1), in_stage(tVsV, next), tKVcKV, seqlen_k - (n - 1) * kBlockN);
+          cp_async_fence();
+        }
+      } else {
+        __syncthreads();  // K[n] (and Q) visible to all; every warp is done with V[n + 1]
+        copy_rows<kEven>(gmem_copy, tVgV(_, _, _, n), tVsV, tKVcKV, seqlen_k - n * kBlockN);
+        cp_async_fence();
+      }
 
-      gemm_smem(tiled_mma, tSrQ, tSrK, tSrS, tSsQ, tSsK, copy_q, copy_k);
+      gemm_smem(tiled_mma, tSrQ, tSrK, tSrS, tSsQ, in_stage(tSsK, stage), copy_q, copy_k);
       if constexpr (kSoftcap) apply_softcap(tSrS, softcap_scale);
       Tensor tSrS_rc = make_tensor(tSrS.data(), sm80_acc_rowcol_layout(tSrS.layout()));
       if ((!kEven || kCausal || kLocal) && (n >= mask_from || (kLocal && n < mask_below))) {
@@ -239,11 +259,13 @@ struct FwdKernelSm80 {
         apply_mask(tSrS_rc, tScS_rc, m_block * kBlockM, n * kBlockN, bm);
       }
 
-      cp_async_wait<0>();
-      __syncthreads();  // V[n] visible to all; every warp is done with K[n]
-      if (n > n_min) {
-        copy_rows<kEven>(gmem_copy, tKgK(_, _, _, n - 1), tKsK, tKVcKV, seqlen_k - (n - 1) * kBlockN);
-        cp_async_fence();
+      if constexpr (kStages == 1) {
+        cp_async_wait<0>();
+        __syncthreads();  // V[n] visible to all; every warp is done with K[n]
+        if (n > n_min) {
+          copy_rows<kEven>(gmem_copy, tKgK(_, _, _, n - 1), tKsK, tKVcKV, seqlen_k - (n - 1) * kBlockN);
+          cp_async_fence();
+        }
       }
 
       if (first) {
@@ -257,7 +279,7 @@ struct FwdKernelSm80 {
       *reinterpret_cast<cutlass::Array<Element, decltype(size(tSrS))::value>*>(tOrP.data()) =
           convert(*reinterpret_cast<cutlass::Array<float, decltype(size(tSrS))::value> const*>(tSrS.data()));
       Tensor tOrP_a = make_tensor(tOrP.data(), sm80_acc_as_a_layout(tOrP.layout()));
-      gemm_rs(tiled_mma, tOrP_a, tOrVt, tOrO, tOsVt, copy_v);
+      gemm_rs(tiled_mma, tOrP_a, tOrVt, tOrO, in_stage(tOsVt, stage), copy_v);
     }
 
     // Epilogue: normalize, O -> shared memory (Q's buffer; every warp is past its last read of Q) ->

@@ -40,8 +40,13 @@ struct FwdTraitsSm80 {
   using GmemTiledCopyO = decltype(make_tiled_copy(Copy_Atom<UniversalCopy<cute::uint128_t>, Element>{},
                                                   typename Tiling::GmemThreadLayout{}, Layout<Shape<_1, _8>>{}));
 
-  static constexpr int kSmemBytes =
-      int(sizeof(Element)) * (cosize_v<SmemLayoutQ> + 2 * cosize_v<SmemLayoutKV>);
+  // K and V buffers: two of each up to hdim 128, so block n - 1 loads during all of block n's work (ncu, hdim
+  // 128 at 2k with one buffer each: 7% of the loop's stall samples waited on cp.async data, 4% on the second
+  // barrier a step). Hdim 256 keeps one (two would be 192 KB, over the A100's 164 KB). Hdim 96 keeps one
+  // until measured: one of its variants spills with either (24 B with one buffer, 16 B with two; ptxas).
+  static constexpr int kStages = kHeadDim <= 128 && kHeadDim % 64 == 0 ? 2 : 1;
+  static constexpr int kElemsKV = cosize_v<SmemLayoutKV>;
+  static constexpr int kSmemBytes = int(sizeof(Element)) * (cosize_v<SmemLayoutQ> + 2 * kStages * kElemsKV);
 };
 
 }  // namespace flash4
