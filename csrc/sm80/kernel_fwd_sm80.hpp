@@ -233,16 +233,17 @@ struct FwdKernelSm80 {
       Tensor tSrS = partition_fragment_C(tiled_mma, TileS{});
       clear(tSrS);
       cp_async_wait<0>();
+      // Two buffers: K[n], V[n] (and Q) visible to all, every warp done with the other buffers. One: K[n] (and
+      // Q) visible to all, every warp done with V[n + 1].
+      __syncthreads();
       if constexpr (kStages == 2) {
-        __syncthreads();  // K[n], V[n] (and Q) visible to all; every warp is done with the other buffers
         if (n > n_min) {
-          const int next = !stage;
-          copy_rows<kEven>(gmem_copy, tKgK(_, _, _, n - 1), in_stage(tKsK, next), tKVcKV, seqlen_k - (n - 1) * kBlockN);
-          copy_rows<kEven>(gmem_copy, tVgV(_, _, _, n - 1), in_stage(tVsV, next), tKVcKV, seqlen_k - (n - 1) * kBlockN);
+          const int rows = seqlen_k - (n - 1) * kBlockN;
+          copy_rows<kEven>(gmem_copy, tKgK(_, _, _, n - 1), in_stage(tKsK, !stage), tKVcKV, rows);
+          copy_rows<kEven>(gmem_copy, tVgV(_, _, _, n - 1), in_stage(tVsV, !stage), tKVcKV, rows);
           cp_async_fence();
         }
       } else {
-        __syncthreads();  // K[n] (and Q) visible to all; every warp is done with V[n + 1]
         copy_rows<kEven>(gmem_copy, tVgV(_, _, _, n), tVsV, tKVcKV, seqlen_k - n * kBlockN);
         cp_async_fence();
       }

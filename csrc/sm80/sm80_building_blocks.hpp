@@ -31,8 +31,7 @@ struct Sm80SmemTiling {
                                               Layout<Shape<_8, Int<kAtomCols>>, Stride<Int<kAtomCols>, _1>>{}));
   static constexpr int kThreadsPerRow = kCopyHeadDim % 64 == 0 ? 8 : 4;
   static constexpr int kRowsPerPass = kNumThreads / kThreadsPerRow;
-  using GmemThreadLayout =
-      Layout<Shape<Int<kNumThreads / kThreadsPerRow>, Int<kThreadsPerRow>>, Stride<Int<kThreadsPerRow>, _1>>;
+  using GmemThreadLayout = Layout<Shape<Int<kRowsPerPass>, Int<kThreadsPerRow>>, Stride<Int<kThreadsPerRow>, _1>>;
   using GmemTiledCopy = decltype(make_tiled_copy(Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Element>{},
                                                  GmemThreadLayout{}, Layout<Shape<_1, _8>>{}));
 };
