@@ -89,6 +89,49 @@ struct OnlineSoftmax {
     return o_scale;
   }
 
+  // update<false> that keeps the running maxima while no row of the warp has grown by more than
+  // kLazyRescaleLog2 (in exp2 units) since they were set, so the output need not be rescaled: returns false
+  // and leaves o_scale alone. The probabilities are then exp2(s * scale - stale max) <= 2^kLazyRescaleLog2
+  // (fp32 sums and bf16 / fp16 P hold that exactly as well as values <= 1), and the final normalisation and
+  // LSE use the same stale maxima, so the result is the same softmax. Returns true (o_scale filled, maxima
+  // moved) when some row of the warp grew by more, or first saw a key; the decision is warp-uniform so the
+  // caller's rescale is a branch the whole warp takes or skips.
+  static constexpr float kLazyRescaleLog2 = 8.f;
+  template <class TensorS>
+  __device__ __forceinline__ bool update_lazy(TensorS& s, cute::array<float, kRows>& o_scale) {
+    static_assert(decltype(cute::size<0>(s))::value == kRows);
+    cute::array<float, kRows> m_new;
+    bool grow = false;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      float m = row_max[r];
+#pragma unroll
+      for (int c = 0; c < cute::size<1>(s); ++c) m = fmaxf(m, s(r, c));
+      m_new[r] = allreduce_max<kThreadsPerRow>(m);
+      // -inf -> finite is +inf > threshold; -inf -> -inf is NaN, not > threshold (nothing to rescale).
+      grow |= (m_new[r] - row_max[r]) * scale_log2 > kLazyRescaleLog2;
+    }
+    const bool rescale = __any_sync(0xffffffffu, grow);
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      if (rescale) {
+        const float m_scaled = (m_new[r] == -INFINITY) ? 0.f : m_new[r] * scale_log2;
+        o_scale[r] = exp2_approx(row_max[r] * scale_log2 - m_scaled);
+        row_sum[r] *= o_scale[r];
+        row_max[r] = m_new[r];
+      }
+      const float m_scaled = (row_max[r] == -INFINITY) ? 0.f : row_max[r] * scale_log2;
+      float sum = 0.f;
+#pragma unroll
+      for (int c = 0; c < cute::size<1>(s); ++c) {
+        s(r, c) = exp2_approx(fmaf(s(r, c), scale_log2, -m_scaled));
+        sum += s(r, c);
+      }
+      row_sum[r] += sum;
+    }
+    return rescale;
+  }
+
   // Multiplies each row of the output accumulator (rowcol view) by its factor.
   template <class TensorO>
   __device__ __forceinline__ static void rescale(TensorO& o, cute::array<float, kRows> const& scale) {

@@ -272,8 +272,15 @@ struct FwdKernelSm80 {
       if (first) {
         softmax.template update<true>(tSrS_rc);
       } else {
-        const auto o_scale = softmax.template update<false>(tSrS_rc);
-        softmax.rescale(tOrO_rc, o_scale);
+        // Rescaling O is kRows x head_dim / 4 multiplies a step (128 at hdim 128, a quarter of the loop's
+        // instructions); once the running maxima settle, skipping it leaves the result unchanged
+        // (OnlineSoftmax::update_lazy). pmevent keeps the skip a branch instead of predicated multiplies
+        // (see the mask above).
+        cute::array<float, kRows> o_scale;
+        if (softmax.update_lazy(tSrS_rc, o_scale)) {
+          asm volatile("pmevent 0;");
+          softmax.rescale(tOrO_rc, o_scale);
+        }
       }
       Tensor tOrP = make_tensor_like<Element>(tSrS);
       cutlass::NumericArrayConverter<Element, float, decltype(size(tSrS))::value> convert;
