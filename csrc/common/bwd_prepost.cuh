@@ -87,36 +87,48 @@ inline dim3 prepost_grid(const BwdParams& p) {
   return dim3(unsigned(p.seqlen_q_rounded / kPreRowsPerCta<kHeadDim>), unsigned(p.nheads_q), unsigned(p.batch));
 }
 
-// The post-passes' common tail. value(e) is this thread's dQ element e, at (row, column) cdQ(e) of the
-// kBlockM x kHeadDim block, elements e and e + 1 adjacent columns (even first) of one row. They are scaled,
-// converted in pairs into a padded shared tile (16 bytes of padding a row: the 8 rows x 4 pairs of a warp's
-// store land in 32 banks) and leave as whole 16-byte row pieces, rows from `rows` on skipped. Storing the
-// pairs straight from the MMA layout (4 bytes per thread, 8 rows per warp instruction) ran at a third of the
-// bandwidth (88 us vs cuDNN's 30 us for 2 x 4096 x 16 heads at d 128 on the H200).
-template <class Element, int kBlockM, int kHeadDim, int kThreads, class Coord, class Value>
-__device__ __forceinline__ void store_dq_staged(Coord const& cdQ, Value const& value, float scale, Element* dq,
-                                                int64_t row_stride, int rows) {
-  constexpr int kPitch = kHeadDim + 8;
-  constexpr int kVecs = kHeadDim / 8;  // 16-byte pieces per row
-  __shared__ alignas(16) Element tile[kBlockM * kPitch];
+// A kRows x kCols fp32 accumulator tile, times `scale`, to global memory as 16-bit values through shared memory
+// (`tile`: kRows x staged_pitch<kCols> elements). value(e) is this thread's element e, at (row, column) c(e)
+// (+ col0) of the tile, elements e and e + 1 adjacent columns (even first) of one row. They are converted in
+// pairs into the padded tile (16 bytes of padding a row: the 8 rows x 4 pairs of a warp's store land in 32
+// banks) and leave as whole 16-byte row pieces, rows from `rows` on skipped. Storing the pairs straight from
+// the MMA layout (4 bytes per thread, 8 rows per warp instruction) ran at a third of the bandwidth (88 us vs
+// cuDNN's 30 us for dq of 2 x 4096 x 16 heads at d 128 on the H200). Callers make `tile` free of other
+// readers before, and keep it until every thread is past the barrier inside.
+template <int kCols>
+constexpr int staged_pitch = kCols + 8;
+
+template <class Element, int kRows, int kCols, int kThreads, class Coord, class Value>
+__device__ __forceinline__ void store_staged(Coord const& c, Value const& value, float scale, Element* out,
+                                             int64_t row_stride, int rows, Element* tile, int col0 = 0) {
+  constexpr int kPitch = staged_pitch<kCols>;
+  constexpr int kVecs = kCols / 8;  // 16-byte pieces per row
   cutlass::NumericArrayConverter<Element, float, 2> convert;
 #pragma unroll
-  for (int e = 0; e < cute::size(cdQ); e += 2) {
+  for (int e = 0; e < cute::size(c); e += 2) {
     cutlass::Array<float, 2> f;
     f[0] = value(e) * scale;
     f[1] = value(e + 1) * scale;
-    *reinterpret_cast<cutlass::Array<Element, 2>*>(&tile[cute::get<0>(cdQ(e)) * kPitch + cute::get<1>(cdQ(e))]) =
+    *reinterpret_cast<cutlass::Array<Element, 2>*>(&tile[cute::get<0>(c(e)) * kPitch + col0 + cute::get<1>(c(e))]) =
         convert(f);
   }
   __syncthreads();
 #pragma unroll
-  for (int i = threadIdx.x; i < kBlockM * kVecs; i += kThreads) {
-    const int row = i / kVecs, c = i % kVecs;
+  for (int i = threadIdx.x; i < kRows * kVecs; i += kThreads) {
+    const int row = i / kVecs, v = i % kVecs;
     if (row < rows) {
-      *reinterpret_cast<uint4*>(dq + row * row_stride + c * 8) =
-          *reinterpret_cast<const uint4*>(&tile[row * kPitch + c * 8]);
+      *reinterpret_cast<uint4*>(out + row * row_stride + v * 8) =
+          *reinterpret_cast<const uint4*>(&tile[row * kPitch + v * 8]);
     }
   }
+}
+
+// The post-passes' common tail: dq of one kBlockM x kHeadDim block through a static shared tile.
+template <class Element, int kBlockM, int kHeadDim, int kThreads, class Coord, class Value>
+__device__ __forceinline__ void store_dq_staged(Coord const& cdQ, Value const& value, float scale, Element* dq,
+                                                int64_t row_stride, int rows) {
+  __shared__ alignas(16) Element tile[kBlockM * staged_pitch<kHeadDim>];
+  store_staged<Element, kBlockM, kHeadDim, kThreads>(cdQ, value, scale, dq, row_stride, rows, tile);
 }
 
 }  // namespace flash4

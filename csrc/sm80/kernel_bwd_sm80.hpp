@@ -45,6 +45,8 @@ struct BwdKernelSm80 {
   using Mask = BlockMask<kBlockM, kBlockN, kCausal, kLocal>;
 
   static Params to_params(BwdParams const& p) { return p; }
+  // Offset of query q's lse_log2 within a stage's (lse_log2, D) floats; its D is 2 floats further on.
+  CUTE_HOST_DEVICE static constexpr int row_pair_slot(int q) { return (q & ~1) * 2 + (q & 1); }
   static dim3 grid(BwdParams const& p) { return dim3((p.seqlen_k + kBlockN - 1) / kBlockN, p.nheads_kv, p.batch); }
 
   // Deterministic mode: the position of key block n among those adding into query block m, as in the sm90
@@ -87,7 +89,9 @@ struct BwdKernelSm80 {
     const int steps = num_m * head_ratio;
 
     // Shared memory: K, V, kStages x (Q, dO), dS^T, kStages x (lse_log2, D). (Local copies of the sizes: a
-    // static data member named in device code must not be odr-used.)
+    // static data member named in device code must not be odr-used.) lse_log2 and D of a stage are stored in
+    // groups of four floats per query pair, {lse[2i], lse[2i + 1], D[2i], D[2i + 1]}: a thread's accumulator
+    // columns come in such pairs, so one 16-byte load fetches all four (row_pair_slot).
     constexpr int kElemsKV = Traits::kElemsKV, kElemsQ = Traits::kElemsQ, kElemsdS = Traits::kElemsdS;
     constexpr int kStages = Traits::kStages;
     Element* smem = reinterpret_cast<Element*>(smem_buf);
@@ -141,8 +145,9 @@ struct BwdKernelSm80 {
       // same cp.async group as Q and dO: a plain load here stalled the issuing warps on global latency.
       if (tid < kBlockM) {
         const int64_t row = accum_row(bidh) + m_block * kBlockM + tid;
-        SM80_CP_ASYNC_CACHEALWAYS<float>::copy(p.lse_log2[row], row_base[(2 * s) * kBlockM + tid]);
-        SM80_CP_ASYNC_CACHEALWAYS<float>::copy(p.dpsum[row], row_base[(2 * s + 1) * kBlockM + tid]);
+        float* slot = row_base + s * 2 * kBlockM + row_pair_slot(tid);
+        SM80_CP_ASYNC_CACHEALWAYS<float>::copy(p.lse_log2[row], slot[0]);
+        SM80_CP_ASYNC_CACHEALWAYS<float>::copy(p.dpsum[row], slot[2]);
       }
     };
     if (steps > 0) load_step(bidh_kv * head_ratio, m_min, 0);
@@ -208,8 +213,12 @@ struct BwdKernelSm80 {
       Tensor sdO = make_tensor(make_smem_ptr(stage_ptr(s, 1)), typename Traits::SmemLayoutQ{});
       Tensor sQt = make_tensor(make_smem_ptr(stage_ptr(s, 0)), typename Traits::SmemLayoutQt{});
       Tensor sdOt = make_tensor(make_smem_ptr(stage_ptr(s, 1)), typename Traits::SmemLayoutQt{});
-      const float* lse_s = row_base + (2 * s) * kBlockM;
-      const float* dpsum_s = row_base + (2 * s + 1) * kBlockM;
+      const float* rows_s = row_base + s * 2 * kBlockM;
+      // lse_log2 and D of the query of accumulator column c (c and c + 1 are a query pair, the even one first).
+      auto row_values = [&](int c) {
+        const int query = get<1>(tScS_rc(0, c & ~1));
+        return *reinterpret_cast<const float4*>(rows_s + row_pair_slot(query));
+      };
 
       Tensor tSrS = partition_fragment_C(mma, TileS{});
       Tensor tSrdP = partition_fragment_C(mma, TileS{});
@@ -255,7 +264,8 @@ struct BwdKernelSm80 {
       if constexpr (kSoftcap) {
 #pragma unroll
         for (int c = 0; c < size<1>(tSrS_rc); ++c) {
-          const float dpsum = dpsum_s[get<1>(tScS_rc(0, c))];
+          const float4 v = row_values(c);
+          const float dpsum = (c & 1) ? v.w : v.z;
 #pragma unroll
           for (int r = 0; r < size<0>(tSrS_rc); ++r) {
             const float t = tanh_approx(tSrS_rc(r, c) * softcap_scale);
@@ -271,8 +281,9 @@ struct BwdKernelSm80 {
       }
 #pragma unroll
       for (int c = 0; c < size<1>(tSrS_rc); ++c) {
-        const int query = get<1>(tScS_rc(0, c));  // a column is one query for every row of this thread
-        const float lse = lse_s[query], dpsum = dpsum_s[query];
+        // A column is one query for every row of this thread.
+        const float4 v = row_values(c);
+        const float lse = (c & 1) ? v.y : v.x, dpsum = (c & 1) ? v.w : v.z;
 #pragma unroll
         for (int r = 0; r < size<0>(tSrS_rc); ++r) {
           const float prob = exp2_approx(fmaf(tSrS_rc(r, c), scale_log2, -lse));
@@ -329,16 +340,23 @@ struct BwdKernelSm80 {
 
     cp_async_wait<0>();  // a key block no query sees skipped the loop with its K/V copies still in flight
 
-    // dK (scaled: S = scale * Q K^T) and dV, rows past seqlen_k skipped.
+    // dK (scaled: S = scale * Q K^T) and dV, rows past seqlen_k skipped, staged through shared memory for
+    // whole 16-byte row stores (store_staged): dK over K's and V's bytes, dV after it. The barrier: every warp
+    // is done with the last step's K^T, Q^T and dO^T.
+    constexpr int kStagedElems = kBlockN * staged_pitch<kHeadDim>;
+    static_assert(2 * kStagedElems * int(sizeof(Element)) <= kSmemBytes, "dK and dV staging fits the buffers");
+    __syncthreads();
     Tensor tdKVc = thr.partition_C(make_identity_tensor(TileKV{}));
     auto write = [&](auto const& acc, void* base, int64_t batch_stride, int64_t row_stride, int64_t head_stride,
-                     float scale) {
+                     float scale, Element* tile) {
       Element* out = static_cast<Element*>(base) + seq.batch * batch_stride + bidh_kv * head_stride +
-                     (seq.offset_k + int64_t(n_block) * kBlockN) * row_stride + half * kHeadDimKV;
-      store_pairs(acc, tdKVc, out, row_stride, seqlen_k - n_block * kBlockN, scale);
+                     (seq.offset_k + int64_t(n_block) * kBlockN) * row_stride;
+      store_staged<Element, kBlockN, kHeadDim, kNumThreads>(tdKVc, [&](int e) { return acc(e); }, scale, out,
+                                                            row_stride, seqlen_k - n_block * kBlockN, tile,
+                                                            half * kHeadDimKV);
     };
-    write(tdKrdK, p.dk, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride, p.softmax_scale);
-    write(tdVrdV, p.dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, 1.f);
+    write(tdKrdK, p.dk, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride, p.softmax_scale, smem);
+    write(tdVrdV, p.dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, 1.f, smem + kStagedElems);
   }
 };
 
