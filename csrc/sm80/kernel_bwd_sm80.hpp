@@ -32,8 +32,10 @@ using namespace cute;
 // the middle of the step, even when jumped over, splits the basic block that ptxas schedules the exp2/dS work in.
 // kEven: seqlen_q and seqlen_k are multiples of the tile and the batch is not packed: loads without row
 // predicates and, without causal/window, no mask code in the loop (as the sm80 forward's kEven).
-template <class Traits_, bool kCausal, bool kLocal = false, bool kSoftcap = false, bool kEven = false>
+// EXPERIMENT kExp: bit 0 lse/D pairs, bit 1 staged dK/dV, bit 2 staged through a noinline function.
+template <class Traits_, bool kCausal, bool kLocal = false, bool kSoftcap = false, bool kEven = false, int kExp = 0>
 struct BwdKernelSm80 {
+  static constexpr bool kRowPairs = kExp & 1, kStaged = kExp & 2, kNoinline = kExp & 4;
   using Traits = Traits_;
   using Element = typename Traits::Element;
   static constexpr int kBlockM = Traits::kBlockM;
@@ -46,7 +48,8 @@ struct BwdKernelSm80 {
 
   static Params to_params(BwdParams const& p) { return p; }
   // Offset of query q's lse_log2 within a stage's (lse_log2, D) floats; its D is 2 floats further on.
-  CUTE_HOST_DEVICE static constexpr int row_pair_slot(int q) { return (q & ~1) * 2 + (q & 1); }
+  CUTE_HOST_DEVICE static constexpr int row_pair_slot(int q) { return kRowPairs ? (q & ~1) * 2 + (q & 1) : q; }
+  static constexpr int kDOffset = kRowPairs ? 2 : kBlockM;
   static dim3 grid(BwdParams const& p) { return dim3((p.seqlen_k + kBlockN - 1) / kBlockN, p.nheads_kv, p.batch); }
 
   // Deterministic mode: the position of key block n among those adding into query block m, as in the sm90
@@ -57,6 +60,19 @@ struct BwdKernelSm80 {
     } else {
       return n_block - bm.n_block_min(m_block);
     }
+  }
+
+  using TileKVShape = Shape<Int<kBlockN>, Int<Traits::kHeadDimKV>>;
+  __device__ __noinline__ static void store_kv_noinline(const float* dk, const float* dv, Element* out_k,
+                                                        Element* out_v, int64_t k_stride, int64_t v_stride, int rows,
+                                                        float scale_k, int col0, int tid_k, Element* smem) {
+    typename Traits::TiledMmaKey mma;
+    Tensor c = mma.get_thread_slice(tid_k).partition_C(make_identity_tensor(TileKVShape{}));
+    constexpr int kStagedElems = kBlockN * staged_pitch<kHeadDim>;
+    store_staged<Element, kBlockN, kHeadDim, kNumThreads>(c, [&](int e) { return dk[e]; }, scale_k, out_k, k_stride,
+                                                          rows, smem, col0);
+    store_staged<Element, kBlockN, kHeadDim, kNumThreads>(c, [&](int e) { return dv[e]; }, 1.f, out_v, v_stride,
+                                                          rows, smem + kStagedElems, col0);
   }
 
   CUTE_DEVICE void operator()(Params const& p, char* smem_buf) const {
@@ -147,7 +163,7 @@ struct BwdKernelSm80 {
         const int64_t row = accum_row(bidh) + m_block * kBlockM + tid;
         float* slot = row_base + s * 2 * kBlockM + row_pair_slot(tid);
         SM80_CP_ASYNC_CACHEALWAYS<float>::copy(p.lse_log2[row], slot[0]);
-        SM80_CP_ASYNC_CACHEALWAYS<float>::copy(p.dpsum[row], slot[2]);
+        SM80_CP_ASYNC_CACHEALWAYS<float>::copy(p.dpsum[row], slot[kDOffset]);
       }
     };
     if (steps > 0) load_step(bidh_kv * head_ratio, m_min, 0);
@@ -216,8 +232,13 @@ struct BwdKernelSm80 {
       const float* rows_s = row_base + s * 2 * kBlockM;
       // lse_log2 and D of the query of accumulator column c (c and c + 1 are a query pair, the even one first).
       auto row_values = [&](int c) {
-        const int query = get<1>(tScS_rc(0, c & ~1));
-        return *reinterpret_cast<const float4*>(rows_s + row_pair_slot(query));
+        if constexpr (kRowPairs) {
+          const int query = get<1>(tScS_rc(0, c & ~1));
+          return *reinterpret_cast<const float4*>(rows_s + row_pair_slot(query));
+        } else {
+          const int q0 = get<1>(tScS_rc(0, c & ~1));
+          return make_float4(rows_s[q0], rows_s[q0 + 1], rows_s[kBlockM + q0], rows_s[kBlockM + q0 + 1]);
+        }
       };
 
       Tensor tSrS = partition_fragment_C(mma, TileS{});
@@ -340,23 +361,35 @@ struct BwdKernelSm80 {
 
     cp_async_wait<0>();  // a key block no query sees skipped the loop with its K/V copies still in flight
 
-    // dK (scaled: S = scale * Q K^T) and dV, rows past seqlen_k skipped, staged through shared memory for
-    // whole 16-byte row stores (store_staged): dK over K's and V's bytes, dV after it. The barrier: every warp
-    // is done with the last step's K^T, Q^T and dO^T.
+    // dK (scaled: S = scale * Q K^T) and dV, rows past seqlen_k skipped.
     constexpr int kStagedElems = kBlockN * staged_pitch<kHeadDim>;
     static_assert(2 * kStagedElems * int(sizeof(Element)) <= kSmemBytes, "dK and dV staging fits the buffers");
-    __syncthreads();
     Tensor tdKVc = thr.partition_C(make_identity_tensor(TileKV{}));
-    auto write = [&](auto const& acc, void* base, int64_t batch_stride, int64_t row_stride, int64_t head_stride,
-                     float scale, Element* tile) {
-      Element* out = static_cast<Element*>(base) + seq.batch * batch_stride + bidh_kv * head_stride +
-                     (seq.offset_k + int64_t(n_block) * kBlockN) * row_stride;
-      store_staged<Element, kBlockN, kHeadDim, kNumThreads>(tdKVc, [&](int e) { return acc(e); }, scale, out,
-                                                            row_stride, seqlen_k - n_block * kBlockN, tile,
-                                                            half * kHeadDimKV);
+    auto out_ptr = [&](void* base, int64_t batch_stride, int64_t row_stride, int64_t head_stride) {
+      return static_cast<Element*>(base) + seq.batch * batch_stride + bidh_kv * head_stride +
+             (seq.offset_k + int64_t(n_block) * kBlockN) * row_stride;
     };
-    write(tdKrdK, p.dk, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride, p.softmax_scale, smem);
-    write(tdVrdV, p.dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, 1.f, smem + kStagedElems);
+    Element* out_k = out_ptr(p.dk, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride);
+    Element* out_v = out_ptr(p.dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride);
+    const int rows = seqlen_k - n_block * kBlockN;
+    if constexpr (!kStaged) {
+      store_pairs(tdKrdK, tdKVc, out_k + half * kHeadDimKV, p.dk_row_stride, rows, p.softmax_scale);
+      store_pairs(tdVrdV, tdKVc, out_v + half * kHeadDimKV, p.dv_row_stride, rows, 1.f);
+    } else if constexpr (!kNoinline) {
+      __syncthreads();
+      store_staged<Element, kBlockN, kHeadDim, kNumThreads>(tdKVc, [&](int e) { return tdKrdK(e); }, p.softmax_scale,
+                                                            out_k, p.dk_row_stride, rows, smem, half * kHeadDimKV);
+      store_staged<Element, kBlockN, kHeadDim, kNumThreads>(tdKVc, [&](int e) { return tdVrdV(e); }, 1.f, out_v,
+                                                            p.dv_row_stride, rows, smem + kStagedElems,
+                                                            half * kHeadDimKV);
+    } else {
+      float buf_k[size(tdKrdK)], buf_v[size(tdVrdV)];
+#pragma unroll
+      for (int e = 0; e < size(tdKrdK); ++e) buf_k[e] = tdKrdK(e), buf_v[e] = tdVrdV(e);
+      __syncthreads();
+      store_kv_noinline(buf_k, buf_v, out_k, out_v, p.dk_row_stride, p.dv_row_stride, rows, p.softmax_scale,
+                        half * kHeadDimKV, tid_k, smem);
+    }
   }
 };
 
