@@ -9,8 +9,6 @@
 #include "../sm80/kernel_traits_bwd_sm80.hpp"
 #include "launch_common.hpp"
 
-#include <cstdlib>
-
 namespace flash4 {
 
 template <DType kDType, int kHeadDim, bool kCausal, bool kLocal>
@@ -26,22 +24,7 @@ void run_bwd_sm80(const BwdParams& p, cudaStream_t stream) {
     using Kernel = BwdKernelSm80<Traits, kCausal, kLocal, decltype(softcap)::value, decltype(even_c)::value>;
     launch_kernel<Kernel>(kernel_entry_sm80<Kernel>, p, stream, "sm80 backward kernel launch");
   };
-  // EXPERIMENT: FLASH_ATTN4_BWD_EXP picks a kEven non-softcap variant (kExp bits, kernel_bwd_sm80.hpp).
-  static const int exp = [] {
-    const char* e = std::getenv("FLASH_ATTN4_BWD_EXP");
-    return e ? std::atoi(e) : 0;
-  }();
-  auto launch_exp = [&](auto exp_c) {
-    using Kernel = BwdKernelSm80<Traits, kCausal, kLocal, false, true, decltype(exp_c)::value>;
-    launch_kernel<Kernel>(kernel_entry_sm80<Kernel>, p, stream, "sm80 backward kernel launch");
-  };
-  if (p.softcap <= 0.f && even && exp != 0 && !kLocal) {
-    switch (exp) {
-      case 1: launch_exp(cute::Int<1>{}); break;
-      case 6: launch_exp(cute::Int<6>{}); break;
-      default: launch_exp(cute::Int<7>{}); break;
-    }
-  } else if (p.softcap > 0.f) {
+  if (p.softcap > 0.f) {
     even ? launch(cute::true_type{}, cute::true_type{}) : launch(cute::true_type{}, cute::false_type{});
   } else {
     even ? launch(cute::false_type{}, cute::true_type{}) : launch(cute::false_type{}, cute::false_type{});

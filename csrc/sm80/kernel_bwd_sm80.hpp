@@ -32,10 +32,8 @@ using namespace cute;
 // the middle of the step, even when jumped over, splits the basic block that ptxas schedules the exp2/dS work in.
 // kEven: seqlen_q and seqlen_k are multiples of the tile and the batch is not packed: loads without row
 // predicates and, without causal/window, no mask code in the loop (as the sm80 forward's kEven).
-// EXPERIMENT kExp: bit 0 lse/D pairs, bit 1 staged dK/dV, bit 2 staged through a noinline function.
-template <class Traits_, bool kCausal, bool kLocal = false, bool kSoftcap = false, bool kEven = false, int kExp = 0>
+template <class Traits_, bool kCausal, bool kLocal = false, bool kSoftcap = false, bool kEven = false>
 struct BwdKernelSm80 {
-  static constexpr bool kRowPairs = kExp & 1, kStaged = kExp & 2, kNoinline = kExp & 4;
   using Traits = Traits_;
   using Element = typename Traits::Element;
   static constexpr int kBlockM = Traits::kBlockM;
@@ -47,9 +45,13 @@ struct BwdKernelSm80 {
   using Mask = BlockMask<kBlockM, kBlockN, kCausal, kLocal>;
 
   static Params to_params(BwdParams const& p) { return p; }
-  // Offset of query q's lse_log2 within a stage's (lse_log2, D) floats; its D is 2 floats further on.
-  CUTE_HOST_DEVICE static constexpr int row_pair_slot(int q) { return kRowPairs ? (q & ~1) * 2 + (q & 1) : q; }
-  static constexpr int kDOffset = kRowPairs ? 2 : kBlockM;
+  // dK and dV leave through shared memory as 16-byte row pieces (store_staged, from a function of its own)
+  // instead of 4-byte pairs straight from the accumulators: a per-CTA cost, so it pays where CTAs are short.
+  // Measured in one build (benchmarks/results/h200_sm80_session7_runs.json, call 3; docs/perf_notes.md):
+  // hdim 128 causal +1.5-3% (234 -> 239, 264 -> 272, 283 -> 291 TFLOP/s at 2k / 4k / 8k), hdim 128 non-causal
+  // -0.3 to -1.3%, hdim 64 -2 to -5% (the function call changes the loop's register allocation), so only
+  // hdim 128 causal takes it.
+  static constexpr bool kStagedDKV = kCausal && !kLocal && kHeadDim == 128;
   static dim3 grid(BwdParams const& p) { return dim3((p.seqlen_k + kBlockN - 1) / kBlockN, p.nheads_kv, p.batch); }
 
   // Deterministic mode: the position of key block n among those adding into query block m, as in the sm90
@@ -62,8 +64,10 @@ struct BwdKernelSm80 {
     }
   }
 
+  // kStagedDKV's epilogue: this thread's dK and dV elements (scaled by scale_k and 1) into the rows x head_dim
+  // tiles at out_k / out_v, through `smem` (two staging tiles).
   using TileKVShape = Shape<Int<kBlockN>, Int<Traits::kHeadDimKV>>;
-  __device__ __noinline__ static void store_kv_noinline(const float* dk, const float* dv, Element* out_k,
+  __device__ __noinline__ static void store_kv_staged(const float* dk, const float* dv, Element* out_k,
                                                         Element* out_v, int64_t k_stride, int64_t v_stride, int rows,
                                                         float scale_k, int col0, int tid_k, Element* smem) {
     typename Traits::TiledMmaKey mma;
@@ -105,9 +109,7 @@ struct BwdKernelSm80 {
     const int steps = num_m * head_ratio;
 
     // Shared memory: K, V, kStages x (Q, dO), dS^T, kStages x (lse_log2, D). (Local copies of the sizes: a
-    // static data member named in device code must not be odr-used.) lse_log2 and D of a stage are stored in
-    // groups of four floats per query pair, {lse[2i], lse[2i + 1], D[2i], D[2i + 1]}: a thread's accumulator
-    // columns come in such pairs, so one 16-byte load fetches all four (row_pair_slot).
+    // static data member named in device code must not be odr-used.)
     constexpr int kElemsKV = Traits::kElemsKV, kElemsQ = Traits::kElemsQ, kElemsdS = Traits::kElemsdS;
     constexpr int kStages = Traits::kStages;
     Element* smem = reinterpret_cast<Element*>(smem_buf);
@@ -161,9 +163,9 @@ struct BwdKernelSm80 {
       // same cp.async group as Q and dO: a plain load here stalled the issuing warps on global latency.
       if (tid < kBlockM) {
         const int64_t row = accum_row(bidh) + m_block * kBlockM + tid;
-        float* slot = row_base + s * 2 * kBlockM + row_pair_slot(tid);
-        SM80_CP_ASYNC_CACHEALWAYS<float>::copy(p.lse_log2[row], slot[0]);
-        SM80_CP_ASYNC_CACHEALWAYS<float>::copy(p.dpsum[row], slot[kDOffset]);
+        float* rows = row_base + s * 2 * kBlockM + tid;
+        SM80_CP_ASYNC_CACHEALWAYS<float>::copy(p.lse_log2[row], rows[0]);
+        SM80_CP_ASYNC_CACHEALWAYS<float>::copy(p.dpsum[row], rows[kBlockM]);
       }
     };
     if (steps > 0) load_step(bidh_kv * head_ratio, m_min, 0);
@@ -229,16 +231,15 @@ struct BwdKernelSm80 {
       Tensor sdO = make_tensor(make_smem_ptr(stage_ptr(s, 1)), typename Traits::SmemLayoutQ{});
       Tensor sQt = make_tensor(make_smem_ptr(stage_ptr(s, 0)), typename Traits::SmemLayoutQt{});
       Tensor sdOt = make_tensor(make_smem_ptr(stage_ptr(s, 1)), typename Traits::SmemLayoutQt{});
-      const float* rows_s = row_base + s * 2 * kBlockM;
-      // lse_log2 and D of the query of accumulator column c (c and c + 1 are a query pair, the even one first).
+      const float* rows_s = row_base + s * 2 * kBlockM;  // kBlockM lse_log2, then kBlockM D
+      // {lse_log2, lse_log2, D, D} of the query pair of accumulator columns c & ~1 and (c & ~1) + 1 (a thread's
+      // columns come in such pairs, the even query first). The kernel of this form (with the epilogue below) is
+      // the one measured in session 7's call 3 (docs/perf_notes.md): against session 6's one-float-per-column
+      // reads, hdim 64 non-causal +2%, causal -1.5%, hdim 128 the same loop. An interleaved layout read with one
+      // 16-byte load measured hdim 64 non-causal -2 to -4%, causal +2-3%, hdim 128 -0.3 to +0.7%.
       auto row_values = [&](int c) {
-        if constexpr (kRowPairs) {
-          const int query = get<1>(tScS_rc(0, c & ~1));
-          return *reinterpret_cast<const float4*>(rows_s + row_pair_slot(query));
-        } else {
-          const int q0 = get<1>(tScS_rc(0, c & ~1));
-          return make_float4(rows_s[q0], rows_s[q0 + 1], rows_s[kBlockM + q0], rows_s[kBlockM + q0 + 1]);
-        }
+        const int q0 = get<1>(tScS_rc(0, c & ~1));
+        return make_float4(rows_s[q0], rows_s[q0 + 1], rows_s[kBlockM + q0], rows_s[kBlockM + q0 + 1]);
       };
 
       Tensor tSrS = partition_fragment_C(mma, TileS{});
@@ -372,23 +373,19 @@ struct BwdKernelSm80 {
     Element* out_k = out_ptr(p.dk, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride);
     Element* out_v = out_ptr(p.dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride);
     const int rows = seqlen_k - n_block * kBlockN;
-    if constexpr (!kStaged) {
+    if constexpr (!kStagedDKV) {
       store_pairs(tdKrdK, tdKVc, out_k + half * kHeadDimKV, p.dk_row_stride, rows, p.softmax_scale);
       store_pairs(tdVrdV, tdKVc, out_v + half * kHeadDimKV, p.dv_row_stride, rows, 1.f);
-    } else if constexpr (!kNoinline) {
-      __syncthreads();
-      store_staged<Element, kBlockN, kHeadDim, kNumThreads>(tdKVc, [&](int e) { return tdKrdK(e); }, p.softmax_scale,
-                                                            out_k, p.dk_row_stride, rows, smem, half * kHeadDimKV);
-      store_staged<Element, kBlockN, kHeadDim, kNumThreads>(tdKVc, [&](int e) { return tdVrdV(e); }, 1.f, out_v,
-                                                            p.dv_row_stride, rows, smem + kStagedElems,
-                                                            half * kHeadDimKV);
     } else {
+      // Through memory into a function of its own (kStagedDKV): inlined, the staging code changed the loop's
+      // register allocation (spills in the hdim 128 loop). The barrier: every warp is done with the last
+      // step's K^T, Q^T and dO^T, whose bytes the staging tiles reuse.
       float buf_k[size(tdKrdK)], buf_v[size(tdVrdV)];
 #pragma unroll
       for (int e = 0; e < size(tdKrdK); ++e) buf_k[e] = tdKrdK(e), buf_v[e] = tdVrdV(e);
       __syncthreads();
-      store_kv_noinline(buf_k, buf_v, out_k, out_v, p.dk_row_stride, p.dv_row_stride, rows, p.softmax_scale,
-                        half * kHeadDimKV, tid_k, smem);
+      store_kv_staged(buf_k, buf_v, out_k, out_v, p.dk_row_stride, p.dv_row_stride, rows, p.softmax_scale,
+                      half * kHeadDimKV, tid_k, smem);
     }
   }
 };
