@@ -363,8 +363,6 @@ struct BwdKernelSm80 {
     cp_async_wait<0>();  // a key block no query sees skipped the loop with its K/V copies still in flight
 
     // dK (scaled: S = scale * Q K^T) and dV, rows past seqlen_k skipped.
-    constexpr int kStagedElems = kBlockN * staged_pitch<kHeadDim>;
-    static_assert(2 * kStagedElems * int(sizeof(Element)) <= kSmemBytes, "dK and dV staging fits the buffers");
     Tensor tdKVc = thr.partition_C(make_identity_tensor(TileKV{}));
     auto out_ptr = [&](void* base, int64_t batch_stride, int64_t row_stride, int64_t head_stride) {
       return static_cast<Element*>(base) + seq.batch * batch_stride + bidh_kv * head_stride +
@@ -377,9 +375,12 @@ struct BwdKernelSm80 {
       store_pairs(tdKrdK, tdKVc, out_k + half * kHeadDimKV, p.dk_row_stride, rows, p.softmax_scale);
       store_pairs(tdVrdV, tdKVc, out_v + half * kHeadDimKV, p.dv_row_stride, rows, 1.f);
     } else {
-      // Through memory into a function of its own (kStagedDKV): inlined, the staging code changed the loop's
-      // register allocation (spills in the hdim 128 loop). The barrier: every warp is done with the last
-      // step's K^T, Q^T and dO^T, whose bytes the staging tiles reuse.
+      // Through memory into a function of its own: inlined, the staging code moved the loop's register
+      // allocation (hdim 128 non-causal loop 0 -> 6 spill instructions, session 7 call 2); as a call the hdim
+      // 128 causal loop has 2 (5 without staging). The barrier: every warp is done with the last step's K^T,
+      // Q^T and dO^T, whose bytes the staging tiles reuse.
+      static_assert(2 * kBlockN * staged_pitch<kHeadDim> * int(sizeof(Element)) <= kSmemBytes,
+                    "dK and dV staging fits the buffers");
       float buf_k[size(tdKrdK)], buf_v[size(tdVrdV)];
 #pragma unroll
       for (int e = 0; e < size(tdKrdK); ++e) buf_k[e] = tdKrdK(e), buf_v[e] = tdVrdV(e);
