@@ -54,6 +54,41 @@ struct OnlineSoftmax {
     }
   }
 
+  // Max of row r over the running max and this tile's scores, reduced over the row's lanes.
+  template <class TensorS>
+  __device__ __forceinline__ float tile_row_max(TensorS const& s, int r) const {
+    float m = row_max[r];
+#pragma unroll
+    for (int c = 0; c < cute::size<1>(s); ++c) m = fmaxf(m, s(r, c));
+    return allreduce_max<kThreadsPerRow>(m);
+  }
+
+  // The exponent offset for a row max m: m * scale_log2, or 0 for a row that has seen only masked keys
+  // (m = -inf), so that exp2(-inf - offset) = 0 rather than exp2(-inf + inf) = NaN.
+  __device__ __forceinline__ float max_offset(float m) const { return m == -INFINITY ? 0.f : m * scale_log2; }
+
+  // Moves row r's running max to m (offset m_scaled) and returns the factor for what was accumulated under
+  // the old one (the row sum is rescaled here). An old max of -inf (nothing seen yet) gives 0: the
+  // accumulator is zero anyway.
+  __device__ __forceinline__ float move_max(int r, float m, float m_scaled) {
+    const float scale = exp2_approx(row_max[r] * scale_log2 - m_scaled);
+    row_sum[r] *= scale;
+    row_max[r] = m;
+    return scale;
+  }
+
+  // Row r's scores -> exp2(s * scale_log2 - m_scaled) in place, added into the row sum.
+  template <class TensorS>
+  __device__ __forceinline__ void exponentiate_row(TensorS& s, int r, float m_scaled) {
+    float sum = 0.f;
+#pragma unroll
+    for (int c = 0; c < cute::size<1>(s); ++c) {
+      s(r, c) = exp2_approx(fmaf(s(r, c), scale_log2, -m_scaled));
+      sum += s(r, c);
+    }
+    row_sum[r] += sum;
+  }
+
   // Turns the scores S (rowcol view, kRows x cols, fp32) into unnormalized probabilities in place and
   // returns, per row, the factor by which the output accumulated so far must be rescaled.
   // kFirst: no earlier tile, so nothing to rescale.
@@ -63,28 +98,15 @@ struct OnlineSoftmax {
     cute::array<float, kRows> o_scale;
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      float m = row_max[r];
-#pragma unroll
-      for (int c = 0; c < cute::size<1>(s); ++c) m = fmaxf(m, s(r, c));
-      m = allreduce_max<kThreadsPerRow>(m);
-      // A row that has seen only masked keys keeps max = -inf; use 0 as its offset so that
-      // exp2(-inf - offset) = 0 rather than exp2(-inf + inf) = NaN.
-      const float m_scaled = (m == -INFINITY) ? 0.f : m * scale_log2;
+      const float m = tile_row_max(s, r);
+      const float m_scaled = max_offset(m);
       if constexpr (kFirst) {
         o_scale[r] = 1.f;
+        row_max[r] = m;
       } else {
-        // row_max[r] == -inf (nothing seen yet) gives exp2(-inf) = 0: the accumulator is zero anyway.
-        o_scale[r] = exp2_approx(row_max[r] * scale_log2 - m_scaled);
-        row_sum[r] *= o_scale[r];
+        o_scale[r] = move_max(r, m, m_scaled);
       }
-      row_max[r] = m;
-      float sum = 0.f;
-#pragma unroll
-      for (int c = 0; c < cute::size<1>(s); ++c) {
-        s(r, c) = exp2_approx(fmaf(s(r, c), scale_log2, -m_scaled));
-        sum += s(r, c);
-      }
-      row_sum[r] += sum;
+      exponentiate_row(s, r, m_scaled);
     }
     return o_scale;
   }
@@ -104,30 +126,15 @@ struct OnlineSoftmax {
     bool grow = false;
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      float m = row_max[r];
-#pragma unroll
-      for (int c = 0; c < cute::size<1>(s); ++c) m = fmaxf(m, s(r, c));
-      m_new[r] = allreduce_max<kThreadsPerRow>(m);
+      m_new[r] = tile_row_max(s, r);
       // -inf -> finite is +inf > threshold; -inf -> -inf is NaN, not > threshold (nothing to rescale).
       grow |= (m_new[r] - row_max[r]) * scale_log2 > kLazyRescaleLog2;
     }
     const bool rescale = __any_sync(0xffffffffu, grow);
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      if (rescale) {
-        const float m_scaled = (m_new[r] == -INFINITY) ? 0.f : m_new[r] * scale_log2;
-        o_scale[r] = exp2_approx(row_max[r] * scale_log2 - m_scaled);
-        row_sum[r] *= o_scale[r];
-        row_max[r] = m_new[r];
-      }
-      const float m_scaled = (row_max[r] == -INFINITY) ? 0.f : row_max[r] * scale_log2;
-      float sum = 0.f;
-#pragma unroll
-      for (int c = 0; c < cute::size<1>(s); ++c) {
-        s(r, c) = exp2_approx(fmaf(s(r, c), scale_log2, -m_scaled));
-        sum += s(r, c);
-      }
-      row_sum[r] += sum;
+      if (rescale) o_scale[r] = move_max(r, m_new[r], max_offset(m_new[r]));
+      exponentiate_row(s, r, max_offset(row_max[r]));
     }
     return rescale;
   }
