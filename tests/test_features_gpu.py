@@ -121,6 +121,53 @@ def test_window_skips_blocks_outside_the_band():
     assert ms(window_size=(1024, 0)) * 5 < ms(causal=True)
 
 
+# More tiles than SMs, so CTAs run in waves and the short tiles (a window's first rows) mix with long ones,
+# and tiles with no visible key (seqlen_q > seqlen_k: the top rows see nothing) between tiles with work.
+MANY_TILE_CASES = {
+    "square": ((2, 2000, 2000), ((100, 0), True)),
+    "two_sided": ((1, 3001, 3001), ((37, 5), False)),
+    "q_longer": ((2, 3000, 700), ((50, 0), False)),
+    "k_longer": ((1, 900, 4000), ((300, 20), False)),
+}
+
+
+@pytest.mark.parametrize("softcap", [0.0, 5.0], ids=["nocap", "cap5"])
+@pytest.mark.parametrize("case", list(MANY_TILE_CASES))
+@pytest.mark.parametrize("hdim", [h for h in HDIMS if h <= 128] or HDIMS[:1])
+def test_window_forward_many_tiles(hdim, case, softcap):
+    (batch, sq, sk), ((left, right), causal) = MANY_TILE_CASES[case]
+    torch.manual_seed(sq + sk + hdim)
+    q = torch.randn(batch, sq, 16, hdim, dtype=DTYPES[0], device=DEVICE)
+    k, v = (torch.randn(batch, sk, 8, hdim, dtype=DTYPES[0], device=DEVICE) for _ in range(2))
+    kw = {"causal": causal, "window_size": (left, right), "softcap": softcap, "softmax_scale": hdim**-0.5}
+    what = f"d{hdim} {case} softcap={softcap}"
+    # Poison the allocator's cached block that the output will most likely reuse: every row must be written.
+    poison = torch.full_like(q, float("nan"))
+    del poison
+    out, lse = attn(q, k, v, return_lse=True, **kw)
+    truth, truth_lse = attention_ref(q.float(), k.float(), v.float(), **kw)
+    lp, lp_lse = attention_ref(q, k, v, upcast=False, **kw)
+    _check("out", out, truth, lp, what)
+    _check("lse", lse, truth_lse, lp_lse.float(), what)
+
+
+def test_window_varlen_forward_many_tiles():
+    """Packed sequences with a window and many tiles: the tiles past each sequence's end do nothing."""
+    hdim = ([h for h in HDIMS if h <= 128] or HDIMS[:1])[0]
+    lens_q, lens_k = [1500, 0, 900, 2100, 1, 700], [1400, 5, 900, 2200, 1, 0]
+    torch.manual_seed(11)
+    q = torch.randn(sum(lens_q), 16, hdim, dtype=DTYPES[0], device=DEVICE)
+    k, v = (torch.randn(sum(lens_k), 4, hdim, dtype=DTYPES[0], device=DEVICE) for _ in range(2))
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    for kw in ({"window_size": (200, 0), "causal": True}, {"window_size": (64, 64), "softcap": 3.0}):
+        kw = {**kw, "softmax_scale": hdim**-0.5}
+        out, lse = attn_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), return_lse=True, **kw)
+        truth, truth_lse = attention_varlen_ref(q.float(), k.float(), v.float(), cu_q, cu_k, **kw)
+        lp, lp_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, upcast=False, **kw)
+        _check("out", out, truth, lp, f"varlen {kw}")
+        _check("lse", lse, truth_lse, lp_lse.float(), f"varlen {kw}")
+
+
 def _cu(lengths):
     return F.pad(torch.tensor(lengths, device=DEVICE).cumsum(0), (1, 0)).to(torch.int32)
 
