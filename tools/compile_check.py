@@ -110,6 +110,12 @@ def main() -> int:
                 if spill and int(spill.group(1)) > budget and main_kernel:
                     print(f"[compile_check] {kernel.name} FAILED: spills {spill.group(1)} bytes")
                     failed = True
+                # C7513: ptxas serialized the WGMMAs (a wait after every one), a silent loss of most of the
+                # kernel's speed; it happens when a non-WGMMA instruction writes a WGMMA input register while
+                # the WGMMA pipeline is open.
+                if "Potential Performance Loss" in line:
+                    print(f"[compile_check] {kernel.name} FAILED: {line.strip()[:200]}")
+                    failed = True
             print(f"[compile_check] {kernel.name} compiled ({time.time() - t0:.0f} s)")
             if args.keep:
                 args.keep.mkdir(parents=True, exist_ok=True)

@@ -216,6 +216,13 @@ struct MainloopFwdSm90 {
 
     clear(tOrO);
     decltype(softmax.template update<true>(tSrS_rc)) o_scale;
+    // Lazy rescale (OnlineSoftmax::update_lazy) where O is rescaled after the softmax: O is rescaled only in
+    // steps where some row of the warp's running max grew by more than 2^8, so the head_dim / 2 multiplies a
+    // thread does per step (64 at hdim 128) mostly drop out once the maxima settle; it also changed ptxas's
+    // allocation so that a masked step's mask and max run before the P V wait (docs/perf_notes.md, session 8).
+    // pmevent keeps the skip a branch (ptxas if-converted such branches on sm80). Head dims > 128 rescale
+    // before the GEMM and keep the eager form (the lazy one spilled 24 B at hdim 256).
+    [[maybe_unused]] bool rescale_o = false;
     // Ping-pong: warpgroup 0 issues first. Its own arrival plus its own first sync complete barrier 0.
     if (warp_group == 0) named_barrier_arrive(2 * 128, int(FwdBarrier::kWarpGroup0));
 
@@ -247,12 +254,21 @@ struct MainloopFwdSm90 {
       release(pipeline_k, read);
       softcap();
       if constexpr (decltype(masked)::value) mask(n);
-      o_scale = softmax.template update</*first=*/false>(tSrS_rc);
+      if constexpr (kRescaleBeforeGemm) {
+        o_scale = softmax.template update</*first=*/false>(tSrS_rc);
+      } else {
+        rescale_o = softmax.update_lazy(tSrS_rc, o_scale);
+      }
       warpgroup_wait<0>();  // P V done: tOrP may be overwritten, V's stage released
       warpgroup_fence_operand(tOrO);
       release(pipeline_v, read_v);
       convert_fragment(tSrS, tOrP_acc);
-      if constexpr (!kRescaleBeforeGemm) softmax.rescale(tOrO_rc, o_scale);
+      if constexpr (!kRescaleBeforeGemm) {
+        if (rescale_o) {
+          asm volatile("pmevent 0;");
+          softmax.rescale(tOrO_rc, o_scale);
+        }
+      }
     };
 
     // Descending. Causal: the blocks crossing the diagonal (masked), then the rest without a mask. Windows:
