@@ -122,6 +122,23 @@ Options make_options(const at::Tensor& q, const at::Tensor& k, bool causal, int6
   return o;
 }
 
+// tools/trace_tiles.py hands a buffer here (set_trace); builds with -DFLASH4_TRACE stamp into it.
+at::Tensor g_trace;
+
+template <class P>
+void set_device_fields(P& p, const at::Tensor& q) {
+  p.num_sms = at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
+  p.trace = g_trace.defined() && g_trace.device() == q.device()
+                ? reinterpret_cast<unsigned long long*>(g_trace.data_ptr<int64_t>())
+                : nullptr;
+}
+
+void set_trace(const OptTensor& buf) {
+  TORCH_CHECK(!buf.has_value() || (buf->is_cuda() && buf->scalar_type() == at::kLong && buf->is_contiguous()),
+              "flash_attn4: the trace buffer must be a contiguous int64 CUDA tensor");
+  g_trace = buf.has_value() ? *buf : at::Tensor();
+}
+
 template <class P>
 void set_options(P& p, const Options& o) {
   p.window_left = o.window_left, p.window_right = o.window_right;
@@ -217,6 +234,7 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
   p.softmax_scale = float(softmax_scale);
   p.softmax_scale_log2 = float(softmax_scale * M_LOG2E);
   p.dtype = kdtype;
+  set_device_fields(p, q);
 
   const c10::cuda::CUDAGuard guard(q.device());
   entry->launch(p, at::cuda::getCurrentCUDAStream().stream());
@@ -333,6 +351,7 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
   p.softmax_scale = float(softmax_scale);
   p.softmax_scale_log2 = float(softmax_scale * M_LOG2E);
   p.dtype = kdtype;
+  set_device_fields(p, q);
   entry->launch(p, at::cuda::getCurrentCUDAStream().stream());
 }
 
@@ -359,4 +378,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("cu_seqlens_q") = py::none(), py::arg("cu_seqlens_k") = py::none(), py::arg("seqused_q") = py::none(),
         py::arg("seqused_k") = py::none(), py::arg("max_seqlen_q") = 0, py::arg("max_seqlen_k") = 0);
   m.def("compiled_kernels", &compiled_kernels, "Names of the kernel instantiations in this build");
+  m.def("set_trace", &set_trace, "Per-CTA profiling buffer for builds with -DFLASH4_TRACE (None: off)",
+        py::arg("buf") = py::none());
+  m.def("trace_slots", [] { return 16; }, "int64 words per CTA in the trace buffer (common/trace.hpp)");
 }

@@ -51,6 +51,13 @@ struct SeqMaskParams {
   }
   FLASH4_PARAMS_FN float softcap_scale() const { return softcap > 0.f ? softmax_scale / softcap : 0.f; }
   FLASH4_PARAMS_FN float lse_scale() const { return softcap > 0.f ? softcap : softmax_scale; }
+
+  // The device's multiprocessor count: the sm90 forward runs one CTA per SM, so the CTA launched num_sms places
+  // after this one starts about when this one ends; this one prefetches that tile's first inputs into L2
+  // (0: no prefetch).
+  int num_sms = 0;
+  // Per-CTA profiling stamps, written only by builds with -DFLASH4_TRACE (common/trace.hpp); else null.
+  unsigned long long* trace = nullptr;
 };
 
 struct FwdParams : SeqMaskParams {

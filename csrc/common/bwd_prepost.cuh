@@ -94,13 +94,16 @@ inline dim3 prepost_grid(const BwdParams& p) {
 // banks) and leave as whole 16-byte row pieces, rows from `rows` on skipped. Storing the pairs straight from
 // the MMA layout (4 bytes per thread, 8 rows per warp instruction) ran at a third of the bandwidth (88 us vs
 // cuDNN's 30 us for dq of 2 x 4096 x 16 heads at d 128 on the H200). Callers make `tile` free of other
-// readers before, and keep it until every thread is past the barrier inside.
+// readers before, and keep it until every thread is past the barrier inside. The kThreads threads that call it
+// are numbered tid = 0 .. kThreads - 1 and meet at sync() (by default the whole CTA, threadIdx.x and
+// __syncthreads).
 template <int kCols>
 constexpr int staged_pitch = kCols + 8;
 
-template <class Element, int kRows, int kCols, int kThreads, class Coord, class Value>
+template <class Element, int kRows, int kCols, int kThreads, class Coord, class Value, class Sync>
 __device__ __forceinline__ void store_staged(Coord const& c, Value const& value, float scale, Element* out,
-                                             int64_t row_stride, int rows, Element* tile, int col0 = 0) {
+                                             int64_t row_stride, int rows, Element* tile, int col0, int tid,
+                                             Sync&& sync) {
   constexpr int kPitch = staged_pitch<kCols>;
   constexpr int kVecs = kCols / 8;  // 16-byte pieces per row
   cutlass::NumericArrayConverter<Element, float, 2> convert;
@@ -112,15 +115,22 @@ __device__ __forceinline__ void store_staged(Coord const& c, Value const& value,
     *reinterpret_cast<cutlass::Array<Element, 2>*>(&tile[cute::get<0>(c(e)) * kPitch + col0 + cute::get<1>(c(e))]) =
         convert(f);
   }
-  __syncthreads();
+  sync();
 #pragma unroll
-  for (int i = threadIdx.x; i < kRows * kVecs; i += kThreads) {
+  for (int i = tid; i < kRows * kVecs; i += kThreads) {
     const int row = i / kVecs, v = i % kVecs;
     if (row < rows) {
       *reinterpret_cast<uint4*>(out + row * row_stride + v * 8) =
           *reinterpret_cast<const uint4*>(&tile[row * kPitch + v * 8]);
     }
   }
+}
+
+template <class Element, int kRows, int kCols, int kThreads, class Coord, class Value>
+__device__ __forceinline__ void store_staged(Coord const& c, Value const& value, float scale, Element* out,
+                                             int64_t row_stride, int rows, Element* tile, int col0 = 0) {
+  store_staged<Element, kRows, kCols, kThreads>(c, value, scale, out, row_stride, rows, tile, col0, int(threadIdx.x),
+                                                [] { __syncthreads(); });
 }
 
 // The post-passes' common tail: dq of one kBlockM x kHeadDim block through a static shared tile.

@@ -10,7 +10,20 @@
 // 4 * kGroupTiles * 128 * head_dim bytes = 32 MB, fit in the 50-60 MB L2 of an H100/H200), and inside a group
 // the block index is the slow one: the heaviest tile of every head of the group first, then the next. The
 // same simulation: every shape above within 1.1% of the ideal; long sequences (16k, 32k), already within
-// 1%, stay there. Groups are balanced (sizes differ by at most one) so that no small group ends the grid.
+// 1%, stay there. Groups are balanced (sizes differ by at most one, the larger ones first) so that no small
+// group ends the grid.
+//
+// Sliding windows: nearly every tile costs the same (the window), except the last tail_blocks of each head in
+// launch order (a head's first queries in the forward, its last keys in the backward), which see fewer keys.
+// Left inside the groups, each group's short tiles are followed by the next group's full ones and only the
+// last group's fill the end: the simulation puts window 4096 at 32k x 16 heads 0.9-1.1% over the ideal
+// makespan. With every head's tail_blocks moved behind all full tiles (heaviest first, heads fastest),
+// 0.2-0.5%. The full tiles keep the grouped order; each head still gets its blocks in launch order.
+//
+// The order's constants depend only on the grid, so the sm90 launchers compute them on the host (TileOrder::make)
+// and a CTA finds its tile with three 32-bit divisions. Computed in every CTA (64-bit divisions and a search)
+// they cost ~2k cycles at the start of each CTA, ahead of its first load: 2.5% of a 4096-window forward at 32k
+// (tools/trace_tiles.py, docs/perf_notes.md session 9).
 #pragma once
 
 #include <cstdint>
@@ -29,32 +42,87 @@ struct TileCoord {
   int batch;
 };
 
-// Tile of launch index `linear` in a grid of num_blocks x num_heads x num_batch tiles.
-template <int kHeadDim>
-FLASH4_HOST_DEVICE TileCoord grouped_tile_order(int linear, int num_blocks, int num_heads, int num_batch) {
-  constexpr int kGroupTiles = 512 * 128 / kHeadDim;
-  const int hb_total = num_heads * num_batch;
-  int target = kGroupTiles / num_blocks;
-  target = target < 1 ? 1 : (target > hb_total ? hb_total : target);
-  const int num_groups = (hb_total + target - 1) / target;
-  // Group g owns head-batch indices [start(g), start(g + 1)), start(g) = floor(g * hb_total / num_groups).
-  auto start = [&](int g) { return int(int64_t(g) * hb_total / num_groups); };
-  int g = int(int64_t(linear) * num_groups / (int64_t(num_blocks) * hb_total));
-  while (g + 1 < num_groups && int64_t(start(g + 1)) * num_blocks <= linear) ++g;
-  while (g > 0 && int64_t(start(g)) * num_blocks > linear) --g;
-  const int first = start(g), size = start(g + 1) - first;
-  const int offset = linear - first * num_blocks;
-  const int hb = first + offset % size;
-  return {offset / size, hb % num_heads, hb / num_heads};
-}
+// The launch order of a grid of num_blocks x num_heads x num_batch tiles (the grid's own x, y, z).
+struct TileOrder {
+  int num_heads;
+  int head_blocks;  // block indices [0, head_blocks) go in groups, the rest (the tail) after them
+  int hb_total;     // head-batches
+  int big;          // head-batches of the first num_big groups; the others have big - 1
+  int num_big;
+
+  // tail_blocks: 0 <= tail_blocks <= num_blocks (see the top of this file).
+  template <int kHeadDim>
+  FLASH4_HOST_DEVICE static TileOrder make(int num_blocks, int num_heads, int num_batch, int tail_blocks = 0) {
+    constexpr int kGroupTiles = 512 * 128 / kHeadDim;
+    TileOrder o{};
+    o.num_heads = num_heads;
+    o.head_blocks = num_blocks - tail_blocks;
+    o.hb_total = num_heads * num_batch;
+    int target = o.head_blocks > 0 ? kGroupTiles / o.head_blocks : 1;
+    target = target < 1 ? 1 : (target > o.hb_total ? o.hb_total : target);
+    const int num_groups = (o.hb_total + target - 1) / target;
+    const int small = o.hb_total / num_groups;
+    o.num_big = o.hb_total - small * num_groups;
+    o.big = small + 1;
+    return o;
+  }
+
+  // Tile of launch index `linear`.
+  FLASH4_HOST_DEVICE TileCoord operator()(int linear) const {
+    const int grouped = head_blocks * hb_total;
+    if (linear >= grouped) {  // the tail: block index slow, every head-batch at each
+      const int r = linear - grouped;
+      const int hb = r % hb_total;
+      return {head_blocks + r / hb_total, hb % num_heads, hb / num_heads};
+    }
+    const int big_tiles = num_big * big * head_blocks;
+    int first, size, offset;
+    if (linear < big_tiles) {
+      const int g = linear / (big * head_blocks);
+      first = g * big, size = big, offset = linear - g * big * head_blocks;
+    } else {
+      const int small = big - 1, r = linear - big_tiles;
+      const int g = r / (small * head_blocks);
+      first = num_big * big + g * small, size = small, offset = r - g * small * head_blocks;
+    }
+    // Inside a group the block index is the slow one.
+    const int hb = first + offset % size;
+    return {offset / size, hb % num_heads, hb / num_heads};
+  }
+};
 
 #if defined(__CUDACC__)
-// The tile of this CTA: for masked launches the grouped order above, otherwise the grid's own coordinates.
+__device__ __forceinline__ int linear_cta() {
+  return int(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
+}
+
+// The tile of launch index `linear` of this grid: for masked launches `order` (made for this grid),
+// otherwise the grid's own coordinates.
+template <bool kReorder>
+__device__ __forceinline__ TileCoord tile_at(TileOrder const& order, int linear) {
+  if constexpr (kReorder) {
+    return order(linear);
+  } else {
+    const int blocks = int(gridDim.x), heads = int(gridDim.y);
+    return {linear % blocks, (linear / blocks) % heads, linear / (blocks * heads)};
+  }
+}
+
+// The tile of this CTA, with an order made on the host (the sm90 kernels).
+template <bool kReorder>
+__device__ __forceinline__ TileCoord this_tile(TileOrder const& order) {
+  if constexpr (kReorder) {
+    return order(linear_cta());
+  } else {
+    return {int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)};
+  }
+}
+
+// The same, making the order in the CTA (the sm80 kernels, which take the torch-free params as they are).
 template <int kHeadDim, bool kReorder>
 __device__ __forceinline__ TileCoord this_tile() {
   if constexpr (kReorder) {
-    const int linear = int(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
-    return grouped_tile_order<kHeadDim>(linear, int(gridDim.x), int(gridDim.y), int(gridDim.z));
+    return TileOrder::make<kHeadDim>(int(gridDim.x), int(gridDim.y), int(gridDim.z))(linear_cta());
   } else {
     return {int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)};
   }

@@ -14,11 +14,13 @@
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
 #include "../common/block_info.hpp"
+#include "../common/bwd_prepost.cuh"  // store_staged
 #include "../common/fragment.hpp"
 #include "../common/mask.hpp"     // tanh_approx
 #include "../common/softmax.hpp"  // exp2_approx
 #include "../common/sync.hpp"
 #include "../common/tile_order.hpp"
+#include "../common/trace.hpp"
 #include "../params.h"
 #include "kernel_traits_bwd_sm90.hpp"
 #include "utils_sm90.hpp"
@@ -86,7 +88,21 @@ struct BwdKernelSm90 {
     const int* cu_seqlens_k;
     const int* seqused_q;
     const int* seqused_k;
+    TileOrder order;  // launch order of masked grids (tile_order.hpp)
+    unsigned long long* trace;
   };
+
+  static constexpr bool kMasked = kCausal || kLocal;
+
+  // Sliding windows: the key blocks whose window the sequence end cuts are seen by fewer query blocks than the
+  // rest; they go last (tile_order.hpp). A window wider than half the sequence grows like causal: the grouped
+  // order stays (see the forward's).
+  static int tail_blocks(BwdParams const& p) {
+    if (!kLocal) return 0;
+    const int num_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
+    const int tail = (p.window_left + 1) / kBlockN + 2;  // the last keys, whose window ends past the last query
+    return 2 * tail <= num_blocks ? tail : 0;
+  }
 
   static Params to_params(BwdParams const& p) {
     auto ptr = [](const void* x) { return make_gmem_ptr(static_cast<Element const*>(x)); };
@@ -138,7 +154,10 @@ struct BwdKernelSm90 {
             p.cu_seqlens_q,
             p.cu_seqlens_k,
             p.seqused_q,
-            p.seqused_k};
+            p.seqused_k,
+            kMasked ? TileOrder::make<kHeadDim>(int(grid(p).x), int(grid(p).y), int(grid(p).z), tail_blocks(p))
+                    : TileOrder{},
+            p.trace};
   }
 
   // Where this CTA's sequence lives, its masks, and the first scratch row of (sequence, query head 0).
@@ -167,7 +186,7 @@ struct BwdKernelSm90 {
   }
 
   CUTE_DEVICE void load(Params const& params, typename Traits::PipelineQdO& pipeline, SharedStorage& smem,
-                        int n_block, int bidh_kv, Seq const& seq) const {
+                        int n_block, int bidh_kv, Seq const& seq, TraceRow const& trace) const {
     const SeqInfo& si = seq.info;
     Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutV{});
@@ -190,6 +209,7 @@ struct BwdKernelSm90 {
     smem.barrier_kv.arrive_and_expect_tx(Traits::kTmaBytesKV);
     copy(params.tma_k.with(reinterpret_cast<BarrierT&>(smem.barrier_kv)), get<0>(tK), get<1>(tK));
     copy(params.tma_v.with(reinterpret_cast<BarrierT&>(smem.barrier_kv)), get<0>(tV), get<1>(tV));
+    trace.stamp(9);
 
     int m_min, m_max;
     m_block_range(seq, n_block, m_min, m_max);
@@ -346,7 +366,8 @@ struct BwdKernelSm90 {
 
   template <class FragKV>
   CUTE_DEVICE void mma(Params const& params, typename Traits::PipelineQdO& pipeline, SharedStorage& smem,
-                       FragKV& tdKrdK, FragKV& tdVrdV, int thread_idx, int n_block, Seq const& seq) const {
+                       FragKV& tdKrdK, FragKV& tdVrdV, int thread_idx, int n_block, Seq const& seq,
+                       TraceRow const& trace) const {
     typename Traits::TiledMmaSdP mma_sdp;
     typename Traits::TiledMmadKV mma_dkv;
     typename Traits::TiledMmadQ mma_dq;
@@ -412,6 +433,7 @@ struct BwdKernelSm90 {
     // writer skips its last one, so every barrier phase started is completed).
     if (m_min < m_max && wg_thread < 32) named_barrier_arrive(128 + 32, int(BwdBarrier::kdQEmpty0) + warp_group);
     smem.barrier_kv.wait(0);
+    if (thread_idx == 0) trace.stamp(2);
 
     typename Traits::PipelineState read, prev;
     for (int i = 0; i < params.head_ratio; ++i) {
@@ -459,12 +481,14 @@ struct BwdKernelSm90 {
         }
         cutlass::arch::fence_view_async_shared();  // visible to the bulk copy (async proxy)
         named_barrier_arrive(128 + 32, int(BwdBarrier::kdQFull0) + warp_group);
+        if (thread_idx == 0 && read.count() == 0) trace.stamp(3);
         prev = read;
         ++read;
       }
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(tdKrdK);
+    if (thread_idx == 0) trace.stamp(4);
     if (read.count() > 0 && wg_thread == 0) pipeline.consumer_release(prev);
   }
 
@@ -598,21 +622,36 @@ struct BwdKernelSm90 {
     }
   }
 
-  // dK (scaled by softmax_scale: S = scale * Q K^T) and dV to global memory, rows past seqlen_k skipped.
+  // dK (scaled by softmax_scale: S = scale * Q K^T) and dV to global memory, rows past seqlen_k skipped, as
+  // 16-byte row pieces through a staging tile over the Q and dO buffers (store_staged). Straight from the
+  // accumulators (4-byte pairs, 8 rows a warp instruction) they took ~9.2k cycles a CTA on the H200, 7% of a
+  // 4096-window CTA at hdim 128 (tools/trace_tiles.py, docs/perf_notes.md session 9).
   template <class FragKV>
-  CUTE_DEVICE void store(Params const& params, FragKV const& tdKrdK, FragKV const& tdVrdV, int thread_idx,
-                         int n_block, int bidh_kv, Seq const& seq) const {
+  CUTE_DEVICE void store(Params const& params, SharedStorage& smem, FragKV const& tdKrdK, FragKV const& tdVrdV,
+                         int thread_idx, int n_block, int bidh_kv, Seq const& seq) const {
     typename Traits::TiledMmadKV mma_dkv;
     auto thr_dkv = mma_dkv.get_thread_slice(thread_idx);
     Tensor tdKVcdKV = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+    // The tile spans smem.q and smem.dout, adjacent members (1024-aligned, sizes multiples of 1024).
+    constexpr int kTileBytes = kBlockN * staged_pitch<kHeadDim> * int(sizeof(Element));
+    static_assert(sizeof(smem.q) % 1024 == 0 && kTileBytes <= int(sizeof(smem.q) + sizeof(smem.dout)),
+                  "the dK / dV staging tile must fit in the Q and dO buffers");
+    Element* tile = smem.q.data();
+    auto sync = [] { named_barrier_sync(Traits::kNumMmaThreads, int(BwdBarrier::kEpilogue)); };
+    // Both warpgroups' GEMMs (each one's dQ GEMM reads the other's dS, its dK GEMM the last Q stage) are done
+    // past this barrier, and the producer has no load left in flight.
+    sync();
+    const int rows = seq.info.seqlen_k - n_block * kBlockN;
     auto write = [&](FragKV const& acc, void* base, int64_t batch_stride, int64_t row_stride, int64_t head_stride,
                      float scale) {
       Element* out = static_cast<Element*>(base) + seq.info.batch * batch_stride + bidh_kv * head_stride +
                      (int64_t(seq.info.offset_k) + n_block * kBlockN) * row_stride;
-      store_pairs(acc, tdKVcdKV, out, row_stride, seq.info.seqlen_k - n_block * kBlockN, scale);
+      store_staged<Element, kBlockN, kHeadDim, Traits::kNumMmaThreads>(
+          tdKVcdKV, [&](int e) { return acc(e); }, scale, out, row_stride, rows, tile, 0, thread_idx, sync);
     };
     write(tdKrdK, params.dk, params.dk_batch_stride, params.dk_row_stride, params.dk_head_stride,
           params.softmax_scale);
+    sync();  // every thread has read dK's rows out of the tile
     write(tdVrdV, params.dv, params.dv_batch_stride, params.dv_row_stride, params.dv_head_stride, 1.f);
   }
 
@@ -638,32 +677,47 @@ struct BwdKernelSm90 {
     // ascending order a sequence with more key blocks than resident CTAs would have every resident CTA
     // waiting for one that cannot start (a hang). Otherwise ascending: the heavy causal blocks go first.
     // Masked launches take heads in groups (tile_order.hpp); within a head the order above still holds.
-    const TileCoord tile = this_tile<kHeadDim, kCausal || kLocal>();
+    const int linear = linear_cta();
+    const TraceRow trace{params.trace, linear};
+    if (threadIdx.x == 0) trace.stamp(1);
+    const TileCoord tile = this_tile<kMasked>(params.order);
     const bool reversed = kCausal && params.dq_semaphore != nullptr;
     const int n_block = reversed ? int(gridDim.x) - 1 - tile.block : tile.block;
     const int bidh_kv = tile.head, bidb = tile.batch;
     const Seq seq = seq_of(params, bidb);
     // Packed batches: the grid covers the longest sequence; blocks past this one's keys have nothing to do.
     if (n_block * kBlockN >= seq.info.seqlen_k) return;
+    if (threadIdx.x == 0) {
+      int m_min, m_max;
+      m_block_range(seq, n_block, m_min, m_max);
+      trace_info(params.trace, linear, uint32_t(cute::max(0, m_max - m_min)));
+    }
     if (warp_group == 0) {
       arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
       const int warp = warp_idx % 4;
-      if (warp == 0 && threadIdx.x == 0) load(params, pipeline, smem, n_block, bidh_kv, seq);
+      if (warp == 0 && threadIdx.x == 0) {
+        trace.stamp(8);
+        load(params, pipeline, smem, n_block, bidh_kv, seq, trace);
+      }
       if constexpr (!Traits::kWide) {
         if (warp == 1) store_dq(params, smem, n_block, bidh_kv, seq);
+        if (warp == 1 && cute::elect_one_sync()) trace.stamp(6);
       }
     } else {
       arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
       const int thread_idx = int(threadIdx.x) - 128;
+      if (thread_idx == 0) trace.stamp(10);
       typename Traits::TiledMmadKV mma_dkv;
       Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
       Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
       if constexpr (Traits::kWide) {
         mma_wide(params, pipeline, smem, tdKrdK, tdVrdV, thread_idx, n_block, bidh_kv, seq);
       } else {
-        mma(params, pipeline, smem, tdKrdK, tdVrdV, thread_idx, n_block, seq);
+        mma(params, pipeline, smem, tdKrdK, tdVrdV, thread_idx, n_block, seq, trace);
       }
-      store(params, tdKrdK, tdVrdV, thread_idx, n_block, bidh_kv, seq);
+      store(params, smem, tdKrdK, tdVrdV, thread_idx, n_block, bidh_kv, seq);
+      if (thread_idx == 0) trace.stamp(5);
+      if (thread_idx == 128) trace.stamp(7);
     }
   }
 };

@@ -13,6 +13,7 @@
 #include "../common/block_info.hpp"
 #include "../common/softmax.hpp"
 #include "../common/tile_order.hpp"
+#include "../common/trace.hpp"
 #include "epilogue_fwd_sm90.hpp"
 #include "mainloop_fwd_sm90.hpp"
 
@@ -29,14 +30,35 @@ struct FwdKernelSm90 {
   static constexpr int kNumThreads = Traits::kNumThreads;
   static constexpr int kSmemBytes = Traits::kSmemBytes;
 
+  static constexpr bool kMasked = kCausal || kLocal;
+  static constexpr int kBlockM = Traits::kBlockM;
+
   struct Params {
     typename Mainloop::Params mainloop;
     typename Epilogue::Params epilogue;
-    float lse_scale;  // turns the running max of the scores back into natural-log units
+    float lse_scale;     // turns the running max of the scores back into natural-log units
+    TileOrder order;     // launch order of masked grids (tile_order.hpp)
+    int prefetch_ahead;  // see FwdParams::num_sms; 0 = off
+    unsigned long long* trace;
   };
 
+  // Sliding windows: the query tiles whose window the sequence start cuts see fewer keys than the rest; they
+  // go last (tile_order.hpp). A window wider than half the sequence grows like causal: the grouped order stays
+  // (the tail takes every head at once, and a tail of causal-like tiles would stream all heads' K / V).
+  static int tail_blocks(FwdParams const& p) {
+    if (!kLocal) return 0;
+    const int num_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
+    const int rows_cut = p.window_left - (p.seqlen_k - p.seqlen_q);  // query rows whose window starts before key 0
+    const int tail = rows_cut <= 0 ? 1 : rows_cut / kBlockM + 2;
+    return 2 * tail <= num_blocks ? tail : 0;
+  }
+
   static Params to_params(FwdParams const& p) {
-    return {Mainloop::to_params(p), Epilogue::to_params(p), p.lse_scale()};
+    const dim3 g = grid(p);
+    const TileOrder order =
+        kMasked ? TileOrder::make<Traits::kHeadDim>(int(g.x), int(g.y), int(g.z), tail_blocks(p)) : TileOrder{};
+    return {Mainloop::to_params(p), Epilogue::to_params(p), p.lse_scale(), order,
+            p.num_sms, p.trace};
   }
 
   static dim3 grid(FwdParams const& p) {
@@ -70,25 +92,40 @@ struct FwdKernelSm90 {
 
     // Masked launches: heads in groups, the heaviest tiles of a group first (tile_order.hpp). Causal and
     // window tiles near the bottom see the most keys.
-    const TileCoord tile = this_tile<Traits::kHeadDim, kCausal || kLocal>();
-    const int m_block = (kCausal || kLocal) ? int(gridDim.x) - 1 - tile.block : tile.block;
+    const int linear = linear_cta();
+    const TraceRow trace{params.trace, linear};
+    if (threadIdx.x == 0) trace.stamp(1);
+    const TileCoord tile = this_tile<kMasked>(params.order);
+    const int m_block = kMasked ? int(gridDim.x) - 1 - tile.block : tile.block;
     const int bidh = tile.head;
     const int bidb = tile.batch;
     const SeqInfo seq = Mainloop::seq_info(params.mainloop, bidb);
     // Packed batches: the grid covers the longest sequence; tiles past this one's end have nothing to do.
-    if (m_block * Traits::kBlockM >= seq.seqlen_q) return;
+    if (m_block * kBlockM >= seq.seqlen_q) return;
     const auto bm = Mainloop::block_mask(params.mainloop, seq);
     const int n_block_min = bm.n_block_min(m_block), n_block_max = bm.n_block_max(m_block);
     const bool any_key = n_block_max > n_block_min;
+    if (threadIdx.x == 0) trace_info(params.trace, linear, uint32_t(n_block_max - n_block_min));
 
     if (warp_group == 0) {
       arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-      if (threadIdx.x == 0 && any_key) {
-        mainloop.load(params.mainloop, pipeline_k, pipeline_v, smem, m_block, bidh, seq, n_block_min, n_block_max);
+      if (threadIdx.x == 0) {
+        trace.stamp(8);
+        auto prefetch_next = [&] {
+          trace.stamp(9);
+          if (params.prefetch_ahead > 0) prefetch_tile(params, mainloop, smem, linear + params.prefetch_ahead);
+        };
+        if (any_key) {
+          mainloop.load(params.mainloop, pipeline_k, pipeline_v, smem, m_block, bidh, seq, n_block_min, n_block_max,
+                        prefetch_next);
+        } else {
+          prefetch_next();
+        }
       }
     } else {
       arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
       const int thread_idx = int(threadIdx.x) - 128;
+      if (thread_idx == 0) trace.stamp(10);
       typename Traits::TiledMmaPV tiled_mma_pv;
       Tensor tOrO = partition_fragment_C(tiled_mma_pv, select<0, 1>(typename Traits::TileShapePV{}));
       constexpr int kRows = decltype(size<0, 1>(tOrO))::value * decltype(size<1>(tOrO))::value;
@@ -96,13 +133,31 @@ struct FwdKernelSm90 {
       cute::array<float, kRows> lse;
       if (any_key) {
         mainloop.mma(params.mainloop, pipeline_k, pipeline_v, smem, tOrO, softmax, lse, params.lse_scale,
-                     thread_idx, m_block, bm, n_block_min, n_block_max);
+                     thread_idx, m_block, bm, n_block_min, n_block_max, trace);
       } else {
         clear(tOrO);  // no key visible to any row of this tile: out = 0, lse = -inf
         softmax.finalize(params.lse_scale, lse);
       }
+      if (thread_idx == 0) trace.stamp(5);
+      if (thread_idx == 128) trace.stamp(7);
       epilogue.store(params.epilogue, smem, tOrO, lse, thread_idx, m_block, bidh, seq);
+      if (thread_idx == 0) trace.stamp(6);
     }
+  }
+
+  // The tile of launch index `linear` (another CTA's, if the grid has it) into L2: its Q and first K / V block.
+  template <class SharedStorage>
+  CUTE_DEVICE static void prefetch_tile(Params const& params, Mainloop const& mainloop, SharedStorage& smem,
+                                        int linear) {
+    if (linear >= int(gridDim.x * gridDim.y * gridDim.z)) return;
+    const TileCoord tile = tile_at<kMasked>(params.order, linear);
+    const int m_block = kMasked ? int(gridDim.x) - 1 - tile.block : tile.block;
+    const SeqInfo seq = Mainloop::seq_info(params.mainloop, tile.batch);
+    if (m_block * kBlockM >= seq.seqlen_q) return;
+    const auto bm = Mainloop::block_mask(params.mainloop, seq);
+    const int n_block_max = bm.n_block_max(m_block);
+    if (n_block_max <= bm.n_block_min(m_block)) return;
+    mainloop.prefetch(params.mainloop, smem, m_block, tile.head, seq, n_block_max - 1);
   }
 };
 

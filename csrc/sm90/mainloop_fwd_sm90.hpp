@@ -17,6 +17,7 @@
 #include "../common/block_info.hpp"
 #include "../common/mask.hpp"
 #include "../common/softmax.hpp"
+#include "../common/trace.hpp"
 #include "../params.h"
 #include "utils_sm90.hpp"
 
@@ -118,12 +119,11 @@ struct MainloopFwdSm90 {
     cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
   }
 
-  // Producer: one thread issues every load. K of block n and V of block n go to the same stage index of
-  // their own pipelines; K runs one block ahead of V because the consumers need K[n] before V[n+1].
+  // TMA views of one (query tile, head) and its sequence: (Q tile, K blocks, V^T blocks) in global memory
+  // against their shared-memory stages.
   template <class SharedStorage>
-  CUTE_DEVICE void load(Params const& params, typename Traits::PipelineK& pipeline_k,
-                        typename Traits::PipelineV& pipeline_v, SharedStorage& smem, int m_block, int bidh,
-                        SeqInfo const& seq, int n_block_min, int n_block_max) const {
+  CUTE_DEVICE static auto tma_views(Params const& params, SharedStorage& smem, int m_block, int bidh,
+                                    SeqInfo const& seq) {
     Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
     Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutVt{});
@@ -140,6 +140,27 @@ struct MainloopFwdSm90 {
     auto tQ = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
     auto tK = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
     auto tV = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sVt), group_modes<0, 2>(gVt));
+    return cute::make_tuple(tQ, tK, tV);
+  }
+
+  // Into L2: the Q tile and the first K / V block (n_block) of a tile another CTA will start soon.
+  template <class SharedStorage>
+  CUTE_DEVICE void prefetch(Params const& params, SharedStorage& smem, int m_block, int bidh, SeqInfo const& seq,
+                            int n_block) const {
+    auto [tQ, tK, tV] = tma_views(params, smem, m_block, bidh, seq);
+    cute::prefetch(params.tma_q, get<0>(tQ));
+    cute::prefetch(params.tma_k, get<0>(tK)(_, n_block));
+    cute::prefetch(params.tma_v, get<0>(tV)(_, n_block));
+  }
+
+  // Producer: one thread issues every load. K of block n and V of block n go to the same stage index of
+  // their own pipelines; K runs one block ahead of V because the consumers need K[n] before V[n+1].
+  // after_first() runs once Q and the first K are on their way.
+  template <class SharedStorage, class AfterFirst>
+  CUTE_DEVICE void load(Params const& params, typename Traits::PipelineK& pipeline_k,
+                        typename Traits::PipelineV& pipeline_v, SharedStorage& smem, int m_block, int bidh,
+                        SeqInfo const& seq, int n_block_min, int n_block_max, AfterFirst&& after_first) const {
+    auto [tQ, tK, tV] = tma_views(params, smem, m_block, bidh, seq);
     Tensor tQgQ = get<0>(tQ);
     Tensor tQsQ = get<1>(tQ);
     Tensor tKgK = get<0>(tK);  // (TMA, n_block)
@@ -163,6 +184,7 @@ struct MainloopFwdSm90 {
 
     int n_block = n_block_max - 1;
     load_k(n_block);
+    after_first();
     for (; n_block > n_block_min; --n_block) {
       auto state_v = state;
       ++state;
@@ -179,7 +201,7 @@ struct MainloopFwdSm90 {
   CUTE_DEVICE void mma(Params const& params, typename Traits::PipelineK& pipeline_k,
                        typename Traits::PipelineV& pipeline_v, SharedStorage& smem, FragO& tOrO, Softmax& softmax,
                        LSE& lse, float lse_scale, int thread_idx, int m_block, Mask const& bm, int n_block_min,
-                       int n_block_max) const {
+                       int n_block_max, TraceRow const& trace) const {
     typename Traits::TiledMmaQK tiled_mma_qk;
     typename Traits::TiledMmaPV tiled_mma_pv;
     auto thr_mma_qk = tiled_mma_qk.get_thread_slice(thread_idx);
@@ -227,17 +249,20 @@ struct MainloopFwdSm90 {
     if (warp_group == 0) named_barrier_arrive(2 * 128, int(FwdBarrier::kWarpGroup0));
 
     smem.barrier_q.wait(0);
+    if (thread_idx == 0) trace.stamp(11);
     typename Traits::PipelineState read;  // K and V of one block share a stage index
     int n_block = n_block_max - 1;
 
     // Prologue: the last key block always takes the key-length mask (and the causal one).
     pipeline_k.consumer_wait(read);
+    if (thread_idx == 0) trace.stamp(2);
     warpgroup_gemm</*zero_init=*/true, /*wait=*/0>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
     release(pipeline_k, read);
     softcap();
     mask(n_block);
     o_scale = softmax.template update</*first=*/true>(tSrS_rc);
     convert_fragment(tSrS, tOrP_acc);
+    if (thread_idx == 0) trace.stamp(3);
 
     auto step = [&](int n, auto masked) {
       auto read_v = read;  // V of block n + 1
@@ -280,20 +305,27 @@ struct MainloopFwdSm90 {
       const int left_mask_max = bm.n_block_left_mask_max(m_block);
       for (; n_block >= n_block_min; --n_block) {
         if (n_block >= right_mask_min || n_block < left_mask_max) {
+          if (thread_idx == 0 && n_block < left_mask_max) trace.stamp(12);
           step(n_block, cute::true_type{});
+          if (thread_idx == 0 && n_block < left_mask_max) trace.stamp(13);
         } else {
           step(n_block, cute::false_type{});
         }
+        if (thread_idx == 0 && n_block == n_block_max - 2) trace.stamp(14);
       }
     } else {
       if constexpr (kCausal) {
         const int n_masked_min = bm.n_block_right_mask_min(m_block);
         for (; n_block >= 0 && n_block >= n_masked_min; --n_block) step(n_block, cute::true_type{});
       }
-      for (; n_block >= 0; --n_block) step(n_block, cute::false_type{});
+      for (; n_block >= 0; --n_block) {
+        step(n_block, cute::false_type{});
+        if (thread_idx == 0 && n_block == n_block_max - 2) trace.stamp(14);
+      }
     }
 
     // Tail: the last P V, with the row-sum reduction overlapped.
+    if (thread_idx == 0) trace.stamp(4);
     if constexpr (kRescaleBeforeGemm) softmax.rescale(tOrO_rc, o_scale);
     pipeline_v.consumer_wait(read);
     warpgroup_gemm<false, -1>(tiled_mma_pv, tOrP, tOrV(_, _, _, read.index()), tOrO);

@@ -81,6 +81,7 @@ enum class BwdBarrier : int {
   kdS = 1,        // both consumer warpgroups: dS of this step is in shared memory
   kdQEmpty0 = 2,  // consumer warpgroup w (+ w) and the dQ writer warp: its dQ smem chunk may be overwritten
   kdQFull0 = 4,   // consumer warpgroup w (+ w) and the dQ writer warp: its dQ smem chunk is complete
+  kEpilogue = 6,  // both consumer warpgroups: every GEMM done / the dK, dV staging tile written or read
 };
 
 // Bulk (non-tensor) asynchronous reduce-add of `bytes` (multiple of 16, both addresses 16-byte aligned)

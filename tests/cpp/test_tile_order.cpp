@@ -1,7 +1,8 @@
 // Host check of csrc/common/tile_order.hpp: the grouped launch order of masked grids is a bijection onto the
 // (block, head, batch) tiles, every head sees its blocks in launch order 0, 1, 2, ... (what the deterministic
 // backward's reversed key order relies on: key block n + 1 launches before n), groups are balanced, and a
-// group's tiles are contiguous in launch order.
+// group's tiles are contiguous in launch order; with tail blocks (sliding windows), the same bijection and
+// per-head order, and every tail tile after every other tile.
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -20,11 +21,15 @@ static int failures = 0;
   } while (0)
 
 template <int kHeadDim>
-void check(int blocks, int heads, int batch) {
+void check(int blocks, int heads, int batch, int tail = 0) {
   const int total = blocks * heads * batch;
   std::vector<int> seen(total, 0), next_block(heads * batch, 0);
+  const flash4::TileOrder order = flash4::TileOrder::make<kHeadDim>(blocks, heads, batch, tail);
   for (int linear = 0; linear < total; ++linear) {
-    const flash4::TileCoord t = flash4::grouped_tile_order<kHeadDim>(linear, blocks, heads, batch);
+    const flash4::TileCoord t = order(linear);
+    CHECK((t.block >= blocks - tail) == (linear >= (blocks - tail) * heads * batch),
+          "d%d %dx%dx%d tail %d: linear %d -> block %d on the wrong side of the tail", kHeadDim, blocks, heads,
+          batch, tail, linear, t.block);
     CHECK(t.block >= 0 && t.block < blocks && t.head >= 0 && t.head < heads && t.batch >= 0 && t.batch < batch,
           "out of range d%d %dx%dx%d linear %d -> (%d,%d,%d)", kHeadDim, blocks, heads, batch, linear, t.block,
           t.head, t.batch);
@@ -38,6 +43,7 @@ void check(int blocks, int heads, int batch) {
   for (int i = 0; i < total; ++i) {
     CHECK(seen[i] == 1, "d%d %dx%dx%d: tile %d seen %d times", kHeadDim, blocks, heads, batch, i, seen[i]);
   }
+  if (tail > 0) return;
   // Balanced, contiguous groups: walking the launch order, the set of head-batches in flight changes only at
   // group boundaries, and group sizes differ by at most one.
   std::vector<int> sizes;
@@ -45,7 +51,7 @@ void check(int blocks, int heads, int batch) {
   while (linear < total) {
     int size = 0;
     while (linear + size < total &&
-           flash4::grouped_tile_order<kHeadDim>(linear + size, blocks, heads, batch).block == 0) {
+           order(linear + size).block == 0) {
       ++size;
     }
     CHECK(size > 0, "empty group at %d", linear);
@@ -70,6 +76,11 @@ int main() {
         check<64>(n, h, b);
         check<128>(n, h, b);
         check<256>(n, h, b);
+        for (int tail : {1, n / 3, n - 1, n}) {
+          if (tail < 1 || tail > n) continue;
+          check<128>(n, h, b, tail);
+          ++cases;
+        }
         cases += 3;
       }
   if (failures) {
