@@ -57,13 +57,21 @@ struct EpilogueFwdSm90 {
   }
 
   // Called by all consumer threads (thread_idx 0..255) with their normalized O fragment and row LSEs.
-  template <class SharedStorage, class FragO, class LSE>
+  // kAsync (persistent kernels): O goes through its own buffer, smem.o, and the TMA store is left running; the
+  // next call waits for it before it writes the buffer again, and the kernel's last one before it exits.
+  template <bool kAsync = false, class SharedStorage, class FragO, class LSE>
   CUTE_DEVICE void store(Params const& params, SharedStorage& smem, FragO const& tOrO, LSE const& lse,
                          int thread_idx, int m_block, int bidh, SeqInfo const& seq) const {
     typename Traits::TiledMmaPV tiled_mma_pv;
-    // O reuses Q's buffer; each warpgroup overwrites only its own 64 rows of Q, which its own last
+    // Otherwise O reuses Q's buffer; each warpgroup overwrites only its own 64 rows of Q, which its own last
     // Q K^T (already complete) was the final reader of.
-    Tensor sO = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutO{});
+    Element* o_buffer;
+    if constexpr (kAsync) {
+      o_buffer = smem.o.data();
+    } else {
+      o_buffer = smem.q.data();
+    }
+    Tensor sO = make_tensor(make_smem_ptr(o_buffer), typename Traits::SmemLayoutO{});
 
     // LSE: the four lanes that share a row hold the same value; the one holding column 0 writes it.
     auto thr_mma_pv = tiled_mma_pv.get_thread_slice(thread_idx);
@@ -90,6 +98,10 @@ struct EpilogueFwdSm90 {
 
     Tensor tOrO_out = make_tensor<Element>(tOrO.layout());
     convert_fragment(tOrO, tOrO_out);
+    if constexpr (kAsync) {  // the previous tile's O may still be leaving this buffer
+      if (thread_idx == 0) tma_store_wait<0>();
+      named_barrier_sync(Traits::kNumMmaThreads, int(FwdBarrier::kEpilogue));
+    }
     auto smem_tiled_copy_O = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, tiled_mma_pv);
     auto smem_thr_copy_O = smem_tiled_copy_O.get_thread_slice(thread_idx);
     copy(smem_tiled_copy_O, smem_thr_copy_O.retile_S(tOrO_out), smem_thr_copy_O.partition_D(sO));
@@ -104,7 +116,8 @@ struct EpilogueFwdSm90 {
       auto [tOgO, tOsO] = tma_partition(params.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
       copy(params.tma_o, tOsO, tOgO);  // rows past seqlen_q are clipped by the TMA unit
       tma_store_arrive();
-      tma_store_wait<0>();  // shared memory must stay valid until the TMA engine has read it
+      // Shared memory must stay valid until the TMA engine has read it.
+      if constexpr (!kAsync) tma_store_wait<0>();
     }
   }
 };

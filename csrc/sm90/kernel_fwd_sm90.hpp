@@ -43,7 +43,7 @@ struct FwdKernelSm90 {
   };
 
   // Sliding windows: the query tiles whose window the sequence start cuts see fewer keys than the rest; they
-  // go last (tile_order.hpp). A window wider than half the sequence grows like causal: the grouped order stays
+  // go last (tile_order.hpp; the persistent kernel takes the same order). A window wider than half the sequence grows like causal: the grouped order stays
   // (the tail takes every head at once, and a tail of causal-like tiles would stream all heads' K / V).
   static int tail_blocks(FwdParams const& p) {
     if (!kLocal) return 0;
@@ -113,11 +113,16 @@ struct FwdKernelSm90 {
         trace.stamp(8);
         auto prefetch_next = [&] {
           trace.stamp(9);
-          if (params.prefetch_ahead > 0) prefetch_tile(params, mainloop, smem, linear + params.prefetch_ahead);
+          // Head dims > 128 leave it out: there it spilled 8 B in the 24-register producer, and their tiles,
+          // longer in time, hide less of a tile's start (not measured).
+          if constexpr (Traits::kHeadDim <= 128) {
+            if (params.prefetch_ahead > 0) prefetch_tile(params, mainloop, smem, linear + params.prefetch_ahead);
+          }
         };
         if (any_key) {
+          auto state = cutlass::make_producer_start_state<typename Traits::PipelineK>();
           mainloop.load(params.mainloop, pipeline_k, pipeline_v, smem, m_block, bidh, seq, n_block_min, n_block_max,
-                        prefetch_next);
+                        state, [] {}, prefetch_next);
         } else {
           prefetch_next();
         }
@@ -132,8 +137,10 @@ struct FwdKernelSm90 {
       OnlineSoftmax<kRows> softmax(params.mainloop.scale_log2);
       cute::array<float, kRows> lse;
       if (any_key) {
+        typename Traits::PipelineState read;
         mainloop.mma(params.mainloop, pipeline_k, pipeline_v, smem, tOrO, softmax, lse, params.lse_scale,
-                     thread_idx, m_block, bm, n_block_min, n_block_max, trace);
+                     thread_idx, m_block, bm, n_block_min, n_block_max, read, /*q_phase=*/0, /*first_mma=*/true,
+                     trace);
       } else {
         clear(tOrO);  // no key visible to any row of this tile: out = 0, lse = -inf
         softmax.finalize(params.lse_scale, lse);

@@ -155,11 +155,14 @@ struct MainloopFwdSm90 {
 
   // Producer: one thread issues every load. K of block n and V of block n go to the same stage index of
   // their own pipelines; K runs one block ahead of V because the consumers need K[n] before V[n+1].
-  // after_first() runs once Q and the first K are on their way.
-  template <class SharedStorage, class AfterFirst>
+  // `state` is the K / V pipelines' producer state, left at the next tile's first stage (a persistent CTA
+  // carries it from tile to tile); before_q() runs before Q is loaded (a persistent CTA waits there for the
+  // consumers to be done with the previous tile's Q), after_first() once Q and the first K are on their way.
+  template <class SharedStorage, class BeforeQ, class AfterFirst>
   CUTE_DEVICE void load(Params const& params, typename Traits::PipelineK& pipeline_k,
                         typename Traits::PipelineV& pipeline_v, SharedStorage& smem, int m_block, int bidh,
-                        SeqInfo const& seq, int n_block_min, int n_block_max, AfterFirst&& after_first) const {
+                        SeqInfo const& seq, int n_block_min, int n_block_max, typename Traits::PipelineState& state,
+                        BeforeQ&& before_q, AfterFirst&& after_first) const {
     auto [tQ, tK, tV] = tma_views(params, smem, m_block, bidh, seq);
     Tensor tQgQ = get<0>(tQ);
     Tensor tQsQ = get<1>(tQ);
@@ -168,17 +171,17 @@ struct MainloopFwdSm90 {
     Tensor tVgV = get<0>(tV);
     Tensor tVsV = get<1>(tV);
 
-    auto state = cutlass::make_producer_start_state<typename Traits::PipelineK>();
     auto load_k = [&](int n_block) {
       pipeline_k.producer_acquire(state);
       copy(params.tma_k.with(*pipeline_k.producer_get_barrier(state)), tKgK(_, n_block), tKsK(_, state.index()));
     };
-    auto load_v = [&](int n_block, decltype(state) const& st) {
+    auto load_v = [&](int n_block, typename Traits::PipelineState const& st) {
       pipeline_v.producer_acquire(st);
       copy(params.tma_v.with(*pipeline_v.producer_get_barrier(st)), tVgV(_, n_block), tVsV(_, st.index()));
     };
 
     using BarrierT = cutlass::arch::ClusterTransactionBarrier::ValueType;
+    before_q();
     smem.barrier_q.arrive_and_expect_tx(Traits::kTmaBytesQ);
     copy(params.tma_q.with(reinterpret_cast<BarrierT&>(smem.barrier_q)), tQgQ, tQsQ);
 
@@ -192,16 +195,20 @@ struct MainloopFwdSm90 {
       load_v(n_block, state_v);
     }
     load_v(n_block_min, state);
+    ++state;
   }
 
   // Consumer: runs the schedule above for this thread's warpgroup (64 query rows) and leaves the
   // normalized output in tOrO and the row LSEs in `lse`. thread_idx counts consumer threads (0..255).
-  // Requires n_block_max > n_block_min.
+  // Requires n_block_max > n_block_min. `read` is the K / V pipelines' consumer state, left at the next tile's
+  // first stage; q_phase the phase of barrier_q this tile's Q completes. first_mma: the CTA's first call (a
+  // persistent CTA's later calls find the ping-pong barrier already armed, see below).
   template <class SharedStorage, class FragO, class Softmax, class LSE>
   CUTE_DEVICE void mma(Params const& params, typename Traits::PipelineK& pipeline_k,
                        typename Traits::PipelineV& pipeline_v, SharedStorage& smem, FragO& tOrO, Softmax& softmax,
                        LSE& lse, float lse_scale, int thread_idx, int m_block, Mask const& bm, int n_block_min,
-                       int n_block_max, TraceRow const& trace) const {
+                       int n_block_max, typename Traits::PipelineState& read, int q_phase, bool first_mma,
+                       TraceRow const& trace) const {
     typename Traits::TiledMmaQK tiled_mma_qk;
     typename Traits::TiledMmaPV tiled_mma_pv;
     auto thr_mma_qk = tiled_mma_qk.get_thread_slice(thread_idx);
@@ -245,12 +252,14 @@ struct MainloopFwdSm90 {
     // pmevent keeps the skip a branch (ptxas if-converted such branches on sm80). Head dims > 128 rescale
     // before the GEMM and keep the eager form (the lazy one spilled 24 B at hdim 256).
     [[maybe_unused]] bool rescale_o = false;
-    // Ping-pong: warpgroup 0 issues first. Its own arrival plus its own first sync complete barrier 0.
-    if (warp_group == 0) named_barrier_arrive(2 * 128, int(FwdBarrier::kWarpGroup0));
+    // Ping-pong: warpgroup 0 issues first. Its own arrival plus its own first sync complete barrier 0. Every
+    // call leaves barrier 0 with one warpgroup's arrival pending (warpgroup 1's after its last GEMM issue, or
+    // this one when there was no step), which stands in for this arrival in the next call.
+    if (warp_group == 0 && first_mma) named_barrier_arrive(2 * 128, int(FwdBarrier::kWarpGroup0));
 
-    smem.barrier_q.wait(0);
+    smem.barrier_q.wait(q_phase);
     if (thread_idx == 0) trace.stamp(11);
-    typename Traits::PipelineState read;  // K and V of one block share a stage index
+    // K and V of one block share a stage index.
     int n_block = n_block_max - 1;
 
     // Prologue: the last key block always takes the key-length mask (and the causal one).
@@ -333,6 +342,7 @@ struct MainloopFwdSm90 {
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
     release(pipeline_v, read);
+    ++read;
     softmax.rescale(tOrO_rc, inv_sum);
   }
 };

@@ -1,0 +1,198 @@
+// sm90 forward, persistent: one CTA per SM walks the tiles of the launch order (tile_order.hpp), so that the
+// work between two tiles overlaps instead of running alone. Used for sliding windows, whose tiles are short:
+// traces of the one-CTA-per-tile kernel (tools/trace_tiles.py, docs/perf_notes.md session 9) put ~5k of a
+// 4096-window tile's ~84k cycles between tiles (CTA start and launch order, Q's load, the gap to the next CTA)
+// and ~1k in the wait for O's TMA store.
+//
+// What carries from tile to tile:
+//   * the K / V pipelines' states (producer and consumers), so loads of the next tile start while the
+//     consumers finish the current one;
+//   * Q: one buffer; the producer loads the next tile's Q once both consumer warpgroups signal q_empty at the
+//     end of their main loop, so the load runs under the epilogue;
+//   * O: a buffer of its own (not Q's), left to its TMA store while the next tile runs;
+//   * the ping-pong barrier (see MainloopFwdSm90::mma, first_mma).
+// Tiles go to CTAs in a static snake order: round r gives tile r * G + k (r even) or r * G + G - 1 - k (r odd)
+// to CTA k of G. A list-scheduling simulation of window 4096 at 32k x 16 heads with the short tiles last:
+// 0.1-0.4% over the ideal makespan, as the hardware's dynamic order; plain round robin 1.7-1.8%.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "../common/block_info.hpp"
+#include "../common/softmax.hpp"
+#include "../common/tile_order.hpp"
+#include "../common/trace.hpp"
+#include "epilogue_fwd_sm90.hpp"
+#include "kernel_fwd_sm90.hpp"  // tail_blocks
+#include "mainloop_fwd_sm90.hpp"
+
+namespace flash4 {
+
+using namespace cute;
+
+template <class Traits_, bool kCausal, bool kLocal, bool kSoftcap>
+struct FwdPersistentKernelSm90 {
+  using Traits = Traits_;
+  using Element = typename Traits::Element;
+  using Mainloop = MainloopFwdSm90<Traits, kCausal, kLocal, kSoftcap>;
+  using Epilogue = EpilogueFwdSm90<Traits>;
+  static constexpr int kNumThreads = Traits::kNumThreads;
+  static constexpr int kBlockM = Traits::kBlockM;
+  static constexpr bool kMasked = kCausal || kLocal;
+
+  struct SharedStorage : Traits::SharedStorage {
+    alignas(1024) cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutO>> o;
+    alignas(16) cutlass::arch::ClusterBarrier q_empty;  // both consumer warpgroups are done with Q
+  };
+  static constexpr int kSmemBytes = sizeof(SharedStorage);
+  static_assert(kSmemBytes <= 227 * 1024, "the persistent tile does not fit in shared memory");
+
+  struct Params {
+    typename Mainloop::Params mainloop;
+    typename Epilogue::Params epilogue;
+    float lse_scale;
+    TileOrder order;
+    int num_m_blocks;  // query tiles per (head, batch): the launch order's block extent
+    int num_tiles;
+    unsigned long long* trace;
+  };
+
+  static int num_m_blocks(FwdParams const& p) { return (p.seqlen_q + kBlockM - 1) / kBlockM; }
+  static int num_tiles(FwdParams const& p) { return num_m_blocks(p) * p.nheads_q * p.batch; }
+
+  static Params to_params(FwdParams const& p) {
+    // The same launch order as the one-CTA-per-tile kernel's (window tails last).
+    const int tail = FwdKernelSm90<Traits, kCausal, kLocal, kSoftcap>::tail_blocks(p);
+    const TileOrder order =
+        kMasked ? TileOrder::make<Traits::kHeadDim>(num_m_blocks(p), p.nheads_q, p.batch, tail) : TileOrder{};
+    return {Mainloop::to_params(p), Epilogue::to_params(p), p.lse_scale(), order, num_m_blocks(p),
+            num_tiles(p), p.trace};
+  }
+
+  static dim3 grid(FwdParams const& p) {
+    const int sms = p.num_sms > 0 ? p.num_sms : 132;
+    return dim3(unsigned(num_tiles(p) < sms ? num_tiles(p) : sms), 1, 1);
+  }
+
+  // Launch index of this CTA's tile in round r (snake order, see the top), or -1 past the last tile.
+  CUTE_DEVICE static int tile_of_round(Params const& params, int r) {
+    const int g = int(gridDim.x), k = int(blockIdx.x);
+    const int linear = r * g + ((r & 1) ? g - 1 - k : k);
+    return linear < params.num_tiles ? linear : -1;
+  }
+
+  struct Tile {
+    int m_block, bidh;
+    SeqInfo seq;
+    int n_block_min, n_block_max;
+  };
+  CUTE_DEVICE static Tile tile_at_linear(Params const& params, int linear) {
+    const TileCoord t = tile_at<kMasked>(params.order, linear);
+    Tile tile;
+    tile.m_block = kMasked ? params.num_m_blocks - 1 - t.block : t.block;
+    tile.bidh = t.head;
+    tile.seq = Mainloop::seq_info(params.mainloop, t.batch);
+    // Packed batches: the grid covers the longest sequence; tiles past this one's end have nothing to do.
+    if (tile.m_block * kBlockM >= tile.seq.seqlen_q) {
+      tile.n_block_min = tile.n_block_max = -1;
+      return tile;
+    }
+    const auto bm = Mainloop::block_mask(params.mainloop, tile.seq);
+    tile.n_block_min = bm.n_block_min(tile.m_block);
+    tile.n_block_max = bm.n_block_max(tile.m_block);
+    return tile;
+  }
+  CUTE_DEVICE static bool in_sequence(Tile const& t) { return t.n_block_max >= 0; }
+  CUTE_DEVICE static bool any_key(Tile const& t) { return t.n_block_max > t.n_block_min; }
+
+  CUTE_DEVICE void operator()(Params const& params, char* smem_buf) const {
+    using namespace cutlass;
+    SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_buf);
+    Mainloop mainloop;
+    Epilogue epilogue;
+    const int warp_group = canonical_warp_group_idx();
+    const int warp_idx = canonical_warp_idx_sync();
+
+    if (warp_idx == 0 && cute::elect_one_sync()) {
+      Mainloop::prefetch_descriptors(params.mainloop);
+      Epilogue::prefetch_descriptors(params.epilogue);
+      smem.barrier_q.init(/*arrive_count=*/1);
+      smem.q_empty.init(/*arrive_count=*/Traits::kNumMmaWarpGroups);
+    }
+    typename Traits::PipelineK::Params pipe_params;
+    pipe_params.transaction_bytes = Traits::kTmaBytesKV;
+    pipe_params.role = warp_group == 0 ? Traits::PipelineK::ThreadCategory::Producer
+                                       : Traits::PipelineK::ThreadCategory::Consumer;
+    pipe_params.is_leader = threadIdx.x == 0;
+    pipe_params.num_consumers = Traits::kNumMmaWarpGroups;
+    typename Traits::PipelineK pipeline_k(smem.pipeline_k, pipe_params, Shape<_1, _1, _1>{});
+    typename Traits::PipelineV pipeline_v(smem.pipeline_v, pipe_params, Shape<_1, _1, _1>{});
+    __syncthreads();
+
+    if (warp_group == 0) {
+      arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
+      if (threadIdx.x != 0) return;
+      auto state = cutlass::make_producer_start_state<typename Traits::PipelineK>();
+      int q_loads = 0;  // Q loads issued so far: the consumers' q_empty phases to wait for
+      for (int r = 0;; ++r) {
+        const int linear = tile_of_round(params, r);
+        if (linear < 0) break;
+        const Tile t = tile_at_linear(params, linear);
+        if (!in_sequence(t) || !any_key(t)) continue;
+        const int done = q_loads;
+        auto before_q = [&] {
+          if (done > 0) smem.q_empty.wait((done - 1) & 1);
+        };
+        mainloop.load(params.mainloop, pipeline_k, pipeline_v, smem, t.m_block, t.bidh, t.seq, t.n_block_min,
+                      t.n_block_max, state, before_q, [] {});
+        ++q_loads;
+      }
+      return;
+    }
+
+    arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
+    const int thread_idx = int(threadIdx.x) - 128;
+    typename Traits::TiledMmaPV tiled_mma_pv;
+    typename Traits::PipelineState read;
+    int q_loads = 0;
+    for (int r = 0;; ++r) {
+      const int linear = tile_of_round(params, r);
+      if (linear < 0) break;
+      const Tile t = tile_at_linear(params, linear);
+      if (!in_sequence(t)) continue;
+      // Trace builds: one row per tile (slot 1 its start, 5 / 7 the warpgroups' main loops done, 6 epilogue).
+      const TraceRow trace{params.trace, linear};
+      if (thread_idx == 0) {
+        trace_info(params.trace, linear, uint32_t(cute::max(0, t.n_block_max - t.n_block_min)));
+        trace.stamp(1);
+      }
+      Tensor tOrO = partition_fragment_C(tiled_mma_pv, select<0, 1>(typename Traits::TileShapePV{}));
+      constexpr int kRows = decltype(size<0, 1>(tOrO))::value * decltype(size<1>(tOrO))::value;
+      OnlineSoftmax<kRows> softmax(params.mainloop.scale_log2);
+      cute::array<float, kRows> lse;
+      if (any_key(t)) {
+        const auto bm = Mainloop::block_mask(params.mainloop, t.seq);
+        mainloop.mma(params.mainloop, pipeline_k, pipeline_v, smem, tOrO, softmax, lse, params.lse_scale,
+                     thread_idx, t.m_block, bm, t.n_block_min, t.n_block_max, read, q_loads & 1, q_loads == 0,
+                     trace);
+        // Every Q K^T of this warpgroup has retired: the producer may load the next tile's Q.
+        if (thread_idx % 128 == 0) smem.q_empty.arrive();
+        ++q_loads;
+      } else {
+        clear(tOrO);  // no key visible to any row of this tile: out = 0, lse = -inf
+        softmax.finalize(params.lse_scale, lse);
+      }
+      if (thread_idx == 0) trace.stamp(5);
+      if (thread_idx == 128) trace.stamp(7);
+      epilogue.template store</*kAsync=*/true>(params.epilogue, smem, tOrO, lse, thread_idx, t.m_block, t.bidh,
+                                               t.seq);
+      if (thread_idx == 0) trace.stamp(6);
+    }
+    if (thread_idx == 0) tma_store_wait<0>();  // O's last store must have read shared memory
+  }
+};
+
+}  // namespace flash4
