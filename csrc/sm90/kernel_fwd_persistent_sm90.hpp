@@ -122,14 +122,7 @@ struct FwdPersistentKernelSm90 {
       smem.barrier_q.init(/*arrive_count=*/1);
       smem.q_empty.init(/*arrive_count=*/Traits::kNumMmaWarpGroups);
     }
-    typename Traits::PipelineK::Params pipe_params;
-    pipe_params.transaction_bytes = Traits::kTmaBytesKV;
-    pipe_params.role = warp_group == 0 ? Traits::PipelineK::ThreadCategory::Producer
-                                       : Traits::PipelineK::ThreadCategory::Consumer;
-    pipe_params.is_leader = threadIdx.x == 0;
-    pipe_params.num_consumers = Traits::kNumMmaWarpGroups;
-    typename Traits::PipelineK pipeline_k(smem.pipeline_k, pipe_params, Shape<_1, _1, _1>{});
-    typename Traits::PipelineV pipeline_v(smem.pipeline_v, pipe_params, Shape<_1, _1, _1>{});
+    auto [pipeline_k, pipeline_v] = Mainloop::make_pipelines(smem, warp_group);
     __syncthreads();
 
     if (warp_group == 0) {

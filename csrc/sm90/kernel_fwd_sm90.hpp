@@ -43,8 +43,9 @@ struct FwdKernelSm90 {
   };
 
   // Sliding windows: the query tiles whose window the sequence start cuts see fewer keys than the rest; they
-  // go last (tile_order.hpp; the persistent kernel takes the same order). A window wider than half the sequence grows like causal: the grouped order stays
-  // (the tail takes every head at once, and a tail of causal-like tiles would stream all heads' K / V).
+  // go last (tile_order.hpp; the persistent kernel takes the same order). A window wider than half the
+  // sequence grows like causal: the grouped order stays (the tail takes every head at once, and a tail of
+  // causal-like tiles would stream all heads' K / V).
   static int tail_blocks(FwdParams const& p) {
     if (!kLocal) return 0;
     const int num_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
@@ -79,15 +80,7 @@ struct FwdKernelSm90 {
       Epilogue::prefetch_descriptors(params.epilogue);
       smem.barrier_q.init(/*arrive_count=*/1);
     }
-    typename Traits::PipelineK::Params pipe_params;
-    pipe_params.transaction_bytes = Traits::kTmaBytesKV;
-    pipe_params.role = warp_group == 0 ? Traits::PipelineK::ThreadCategory::Producer
-                                       : Traits::PipelineK::ThreadCategory::Consumer;
-    pipe_params.is_leader = threadIdx.x == 0;  // the producer thread below
-    pipe_params.num_consumers = Traits::kNumMmaWarpGroups;  // see `release` in the mainloop
-    // The constructors initialize the barriers (warp 0) and fence the initialization.
-    typename Traits::PipelineK pipeline_k(smem.pipeline_k, pipe_params, Shape<_1, _1, _1>{});
-    typename Traits::PipelineV pipeline_v(smem.pipeline_v, pipe_params, Shape<_1, _1, _1>{});
+    auto [pipeline_k, pipeline_v] = Mainloop::make_pipelines(smem, warp_group);
     __syncthreads();
 
     // Masked launches: heads in groups, the heaviest tiles of a group first (tile_order.hpp). Causal and

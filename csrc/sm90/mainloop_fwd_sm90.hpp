@@ -113,6 +113,21 @@ struct MainloopFwdSm90 {
     return Mask(seq.seqlen_q, seq.seqlen_k, params.window_left, params.window_right);
   }
 
+  // The K and V pipelines of a CTA, thread 0 of the producer warpgroup their producer, one release per
+  // consumer warpgroup (see `release` in mma). The constructors initialize the barriers (warp 0) and fence the
+  // initialization; the caller's __syncthreads follows.
+  template <class SharedStorage>
+  CUTE_DEVICE static auto make_pipelines(SharedStorage& smem, int warp_group) {
+    typename Traits::PipelineK::Params pipe_params;
+    pipe_params.transaction_bytes = Traits::kTmaBytesKV;
+    pipe_params.role = warp_group == 0 ? Traits::PipelineK::ThreadCategory::Producer
+                                       : Traits::PipelineK::ThreadCategory::Consumer;
+    pipe_params.is_leader = threadIdx.x == 0;
+    pipe_params.num_consumers = Traits::kNumMmaWarpGroups;
+    return cute::make_tuple(typename Traits::PipelineK(smem.pipeline_k, pipe_params, Shape<_1, _1, _1>{}),
+                            typename Traits::PipelineV(smem.pipeline_v, pipe_params, Shape<_1, _1, _1>{}));
+  }
+
   CUTE_DEVICE static void prefetch_descriptors(Params const& params) {
     cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
