@@ -121,6 +121,7 @@ struct BwdKernelSm90 {
     Tensor mLse = make_tensor(make_gmem_ptr(static_cast<float const*>(p.lse_log2)), shape_row, row_stride);
     Tensor mDpsum = make_tensor(make_gmem_ptr(static_cast<float const*>(p.dpsum)), shape_row, row_stride);
     auto sQ = take<0, 2>(typename Traits::SmemLayoutQ{});
+    const dim3 g = grid(p);
     return {make_tma_copy(SM90_TMA_LOAD{}, mQ, sQ, TileQ{}, _1{}),
             make_tma_copy(SM90_TMA_LOAD{}, mdO, sQ, TileQ{}, _1{}),
             make_tma_copy(SM90_TMA_LOAD{}, mK, typename Traits::SmemLayoutK{}, TileK{}, _1{}),
@@ -155,8 +156,7 @@ struct BwdKernelSm90 {
             p.cu_seqlens_k,
             p.seqused_q,
             p.seqused_k,
-            kMasked ? TileOrder::make<kHeadDim>(int(grid(p).x), int(grid(p).y), int(grid(p).z), tail_blocks(p))
-                    : TileOrder{},
+            kMasked ? TileOrder::make<kHeadDim>(int(g.x), int(g.y), int(g.z), tail_blocks(p)) : TileOrder{},
             p.trace};
   }
 

@@ -41,7 +41,8 @@ struct FwdPersistentKernelSm90 {
   using Epilogue = EpilogueFwdSm90<Traits>;
   static constexpr int kNumThreads = Traits::kNumThreads;
   static constexpr int kBlockM = Traits::kBlockM;
-  static constexpr bool kMasked = kCausal || kLocal;
+  // The launch order (tile_order.hpp) is what it walks; only the window kernels take it (launch_fwd_sm90.hpp).
+  static_assert(kLocal, "the persistent forward walks the masked launch order of a sliding window");
 
   struct SharedStorage : Traits::SharedStorage {
     alignas(1024) cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutO>> o;
@@ -66,8 +67,7 @@ struct FwdPersistentKernelSm90 {
   static Params to_params(FwdParams const& p) {
     // The same launch order as the one-CTA-per-tile kernel's (window tails last).
     const int tail = FwdKernelSm90<Traits, kCausal, kLocal, kSoftcap>::tail_blocks(p);
-    const TileOrder order =
-        kMasked ? TileOrder::make<Traits::kHeadDim>(num_m_blocks(p), p.nheads_q, p.batch, tail) : TileOrder{};
+    const TileOrder order = TileOrder::make<Traits::kHeadDim>(num_m_blocks(p), p.nheads_q, p.batch, tail);
     return {Mainloop::to_params(p), Epilogue::to_params(p), p.lse_scale(), order, num_m_blocks(p),
             num_tiles(p), p.trace};
   }
@@ -90,9 +90,9 @@ struct FwdPersistentKernelSm90 {
     int n_block_min, n_block_max;
   };
   CUTE_DEVICE static Tile tile_at_linear(Params const& params, int linear) {
-    const TileCoord t = tile_at<kMasked>(params.order, linear);
+    const TileCoord t = params.order(linear);
     Tile tile;
-    tile.m_block = kMasked ? params.num_m_blocks - 1 - t.block : t.block;
+    tile.m_block = params.num_m_blocks - 1 - t.block;  // heaviest first
     tile.bidh = t.head;
     tile.seq = Mainloop::seq_info(params.mainloop, t.batch);
     // Packed batches: the grid covers the longest sequence; tiles past this one's end have nothing to do.
