@@ -58,6 +58,8 @@ def window_rows(args) -> list[dict]:
         # kernel's, which separates kernel efficiency from the per-tile overheads of short rows.
         "probe": dict(causal=True, window_size=(s - 2, 0)),
     }
+    if args.no_probe:
+        del cases["probe"]
     rows = []
     for bwd in (False, True):
         # The cases take turns (order reversed every round) and each keeps its median over the rounds, so
@@ -70,7 +72,8 @@ def window_rows(args) -> list[dict]:
                     _timed(lambda a, b, c, kw=kw: flash_attn4.attn(a, b, c, **kw), q, k, v, bwd, args.warmup,
                            args.window_rep)
                 )  # fmt: skip
-        full, win, probe = (statistics.median(ms[name]) for name in cases)
+        full, win = (statistics.median(ms[name]) for name in ("full", "window"))
+        probe = statistics.median(ms["probe"]) if "probe" in ms else None
         rows.append({
             "impl": "flash_attn4", "kind": "window", "direction": "bwd" if bwd else "fwd", "hdim": D,
             "nheads": H, "seqlen": s, "causal": True, "window_left": args.window, "full_causal_ms": full,
@@ -79,7 +82,8 @@ def window_rows(args) -> list[dict]:
         })  # fmt: skip
         spread = ", ".join(f"{f / w:.2f}" for f, w in zip(ms["full"], ms["window"]))
         print(f"window {'bwd' if bwd else 'fwd'}: causal {full:.3f} ms, window {args.window}: {win:.3f} ms, "
-              f"{full / win:.2f}x (rounds: {spread}; window kernel, causal: {probe:.3f} ms)",
+              f"{full / win:.2f}x (rounds: {spread}"
+              + (f"; window kernel, causal: {probe:.3f} ms)" if probe is not None else ")"),
               flush=True)  # fmt: skip
     return rows
 
@@ -181,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rep", type=int, default=100, help="milliseconds of repetitions per varlen case")
     ap.add_argument("--window-rep", type=int, default=600, help="milliseconds of repetitions per window case")
     ap.add_argument("--rounds", type=int, default=3, help="turns of the window cases (order alternates)")
+    ap.add_argument("--window-only", action="store_true", help="only the window rows (A/B runs)")
+    ap.add_argument("--no-probe", action="store_true", help="skip the whole-triangle window row")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot-only", type=Path, help="redraw the PNG of an existing JSON and exit")
     args = ap.parse_args(argv)
@@ -191,14 +197,15 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_varlen.py needs a CUDA device", file=sys.stderr)
         return 1
     _import_flash_attn4()
-    rows = window_rows(args) + varlen_rows(args)
+    rows = window_rows(args) + ([] if args.window_only else varlen_rows(args))
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": "bf16"}
     out = args.out or RESULTS / f"{gpu_slug(meta['gpu'])}_varlen.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = [{**r, **meta} for r in rows]
     out.write_text(json.dumps(rows, indent=1) + "\n")
     print(f"results: {out}")
-    plot(rows, out.with_suffix(".png"))
+    if not args.window_only:
+        plot(rows, out.with_suffix(".png"))
     return 0
 
 

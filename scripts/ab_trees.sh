@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Same-card A/B of kernel variants on the GPU machine: each variant is this tree plus zero or more patches,
+# copied to a fresh folder (so that NVCC_APPEND_FLAGS and edits are not hidden by a warm ninja cache), built
+# side by side, then timed with `bench_varlen.py --window-only` in alternating processes (a process per
+# variant per round, the order reversed every round), so that clock and temperature drift hit every variant.
+#
+#   bash scripts/ab_trees.sh main= skip=docs/wip/bwd_skip_idle_warpgroup.patch both=a.patch,b.patch
+#
+# Env: AB_ROUNDS (default 3), AB_BENCH_ARGS (extra bench_varlen.py args, default --no-probe --rounds 1),
+#      AB_TEST (a pytest command line run in every variant but the first after the build, e.g.
+#      "tests/test_features_gpu.py -k window"), AB_APPEND_FLAGS (NVCC_APPEND_FLAGS of every build),
+#      FLASH_ATTN4_HDIMS (default 128), FLASH_ATTN4_DTYPES (default bf16), MAX_JOBS (split between variants).
+# Logs: $OUT/ab_<variant>.log (build, tests), $OUT/ab_runs.jsonl (one line per process and case).
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+LOG=${OUT:-build/ab}
+mkdir -p "$LOG"
+# shellcheck source=carried_wheels.sh
+source scripts/carried_wheels.sh
+export FLASH_ATTN4_HDIMS=${FLASH_ATTN4_HDIMS:-128}
+export FLASH_ATTN4_DTYPES=${FLASH_ATTN4_DTYPES:-bf16}
+((${#})) || { echo "usage: $0 name=[patch,...] ..." >&2; exit 2; }
+jobs_each=$(((${MAX_JOBS:-16} + $# - 1) / $#))
+names=()
+for spec in "$@"; do
+  name=${spec%%=*}
+  patches=${spec#*=}
+  dir=/tmp/ab/$name
+  rm -rf "$dir" && mkdir -p "$dir"
+  tar --exclude=./build --exclude=./.git --exclude='*.so' --exclude=./csrc/instantiations -cf - . | tar -xf - -C "$dir"
+  for p in ${patches//,/ }; do
+    (cd "$dir" && patch -p1 -s <"$OLDPWD/$p") || { echo "$name: $p does not apply" >&2; exit 2; }
+  done
+  names+=("$name")
+  (cd "$dir" && NVCC_APPEND_FLAGS="${AB_APPEND_FLAGS:-}" MAX_JOBS=$jobs_each $PY setup.py build_ext --inplace \
+    >"$LOG/ab_$name.log" 2>&1; echo "build rc $?" >>"$LOG/ab_$name.log") &
+done
+t0=$(date +%s)
+wait
+echo "builds: $(($(date +%s) - t0))s"
+for name in "${names[@]}"; do tail -n 1 "$LOG/ab_$name.log" | sed "s/^/$name: /"; done
+if [[ -n ${AB_TEST:-} ]]; then
+  for name in "${names[@]:1}"; do
+    # shellcheck disable=SC2086  # AB_TEST is a list of words
+    (cd /tmp/ab/"$name" && timeout "${AB_TEST_TIMEOUT:-300}" $PY -m pytest -q -x $AB_TEST 2>&1 | tail -n 3) |
+      tee -a "$LOG/ab_$name.log" | sed "s/^/$name tests: /"
+  done
+fi
+for ((r = 0; r < ${AB_ROUNDS:-3}; ++r)); do
+  order=("${names[@]}")
+  ((r % 2)) && order=($(printf '%s\n' "${names[@]}" | tac))
+  for name in "${order[@]}"; do
+    # shellcheck disable=SC2086
+    (cd /tmp/ab/"$name" && $PY benchmarks/bench_varlen.py --window-only ${AB_BENCH_ARGS:---no-probe --rounds 1} \
+      --out "/tmp/ab/$name.json" >>"$LOG/ab_$name.log" 2>&1) || echo "$name: bench failed (round $r)"
+    $PY - "$name" "$r" "/tmp/ab/$name.json" >>"$LOG/ab_runs.jsonl" <<'EOF'
+import json, sys
+name, rnd, path = sys.argv[1:]
+for row in json.load(open(path)):
+    print(json.dumps({"variant": name, "round": int(rnd), "direction": row["direction"],
+                      "full_causal_ms": row["full_causal_ms"], "window_ms": row["window_ms"],
+                      "speedup": row["speedup"]}))
+EOF
+  done
+done
+$PY - "$LOG/ab_runs.jsonl" <<'EOF'
+import collections, json, statistics, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+by = collections.defaultdict(list)
+for r in rows:
+    by[(r["variant"], r["direction"])].append(r)
+for (name, d), rs in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+    med = lambda key: statistics.median(r[key] for r in rs)
+    print(f"{d} {name:>10}: causal {med('full_causal_ms'):.3f} ms  window {med('window_ms'):.3f} ms  "
+          f"{med('speedup'):.3f}x  (rounds: {', '.join('%.3f' % r['speedup'] for r in rs)})")
+EOF
