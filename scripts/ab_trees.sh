@@ -10,7 +10,7 @@
 #      AB_TEST (a pytest command line run in every variant but the first after the build, e.g.
 #      "tests/test_features_gpu.py -k window"), AB_APPEND_FLAGS (NVCC_APPEND_FLAGS of every build),
 #      FLASH_ATTN4_HDIMS (default 128), FLASH_ATTN4_DTYPES (default bf16), MAX_JOBS (split between variants).
-# Logs: $OUT/ab_<variant>.log (build, tests), $OUT/ab_runs.jsonl (one line per process and case).
+# Logs: $OUT/ab_<variant>.log (build, bench), ab_<variant>_tests.log, $OUT/ab_runs.jsonl (one line per process and case).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
@@ -44,8 +44,9 @@ for name in "${names[@]}"; do tail -n 1 "$LOG/ab_$name.log" | sed "s/^/$name: /"
 if [[ -n ${AB_TEST:-} ]]; then
   for name in "${names[@]:1}"; do
     # shellcheck disable=SC2086  # AB_TEST is a list of words
-    (cd /tmp/ab/"$name" && timeout "${AB_TEST_TIMEOUT:-300}" $PY -m pytest -q -x $AB_TEST 2>&1 | tail -n 3) |
-      tee -a "$LOG/ab_$name.log" | sed "s/^/$name tests: /"
+    (cd /tmp/ab/"$name" && timeout "${AB_TEST_TIMEOUT:-300}" $PY -m pytest -q --tb=short $AB_TEST) \
+      >"$LOG/ab_${name}_tests.log" 2>&1
+    grep -E "^(FAILED|ERROR)|passed|failed" "$LOG/ab_${name}_tests.log" | tail -n 12 | sed "s/^/$name tests: /"
   done
 fi
 for ((r = 0; r < ${AB_ROUNDS:-3}; ++r)); do
