@@ -6,7 +6,7 @@
 #
 #   bash scripts/ab_trees.sh main= skip=docs/wip/bwd_skip_idle_warpgroup.patch both=a.patch,b.patch
 #
-# Env: AB_ROUNDS (default 3), AB_BENCH_ARGS (extra bench_varlen.py args, default --no-probe --rounds 1),
+# Env: AB_ROUNDS (default 3), AB_TEST_TIMEOUT / AB_BENCH_TIMEOUT (seconds, default 300 / 150), AB_BENCH_ARGS (extra bench_varlen.py args, default --no-probe --rounds 1),
 #      AB_TEST (a pytest command line run in every variant but the first after the build, e.g.
 #      "tests/test_features_gpu.py -k window"), AB_APPEND_FLAGS (NVCC_APPEND_FLAGS of every build),
 #      FLASH_ATTN4_HDIMS (default 128), FLASH_ATTN4_DTYPES (default bf16), MAX_JOBS (split between variants).
@@ -54,7 +54,7 @@ for ((r = 0; r < ${AB_ROUNDS:-3}; ++r)); do
   ((r % 2)) && order=($(printf '%s\n' "${names[@]}" | tac))
   for name in "${order[@]}"; do
     # shellcheck disable=SC2086
-    (cd /tmp/ab/"$name" && $PY benchmarks/bench_varlen.py --window-only ${AB_BENCH_ARGS:---no-probe --rounds 1} \
+    (cd /tmp/ab/"$name" && timeout "${AB_BENCH_TIMEOUT:-150}" $PY benchmarks/bench_varlen.py --window-only ${AB_BENCH_ARGS:---no-probe --rounds 1} \
       --out "/tmp/ab/$name.json" >>"$LOG/ab_$name.log" 2>&1) || echo "$name: bench failed (round $r)"
     $PY - "$name" "$r" "/tmp/ab/$name.json" >>"$LOG/ab_runs.jsonl" <<'EOF'
 import json, sys
