@@ -151,6 +151,40 @@ def test_window_forward_many_tiles(hdim, case, softcap):
     _check("lse", lse, truth_lse, lp_lse.float(), what)
 
 
+# The backward of fixed-length windows at most half the sequence runs persistent (one CTA per SM walks several
+# key tiles, carrying its pipelines across them): more tiles than SMs, GQA, key tiles that no query sees
+# (k_longer) and the deterministic turn order across the tiles of one CTA.
+BWD_MANY_TILE_CASES = {
+    "square": ((2, 2000, 2000), ((100, 0), True)),
+    "two_sided": ((1, 3001, 3001), ((37, 5), False)),
+    "k_longer": ((1, 900, 4000), ((300, 20), False)),
+}
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("case", list(BWD_MANY_TILE_CASES))
+@pytest.mark.parametrize("hdim", [h for h in BWD_HDIMS if h <= 128] or BWD_HDIMS[:1])
+def test_window_backward_many_tiles(hdim, case, deterministic):
+    (batch, sq, sk), ((left, right), causal) = BWD_MANY_TILE_CASES[case]
+    torch.manual_seed(sq + sk + hdim + deterministic)
+    q = torch.randn(batch, sq, 16, hdim, dtype=DTYPES[0], device=DEVICE)
+    k, v = (torch.randn(batch, sk, 8, hdim, dtype=DTYPES[0], device=DEVICE) for _ in range(2))
+    dout = torch.randn_like(q)
+    kw = {"causal": causal, "window_size": (left, right), "softmax_scale": hdim**-0.5}
+    what = f"d{hdim} {case} deterministic={deterministic}"
+    # Poison the allocator's cached blocks that the gradients will most likely reuse: every row must be written.
+    poison = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+    del poison
+    _, ours = _grads(lambda a, b, c: attn(a, b, c, deterministic=deterministic, **kw), (q, k, v), dout)
+    truth_g = attention_bwd_ref(dout.float(), q.float(), k.float(), v.float(), **kw)
+    _, lp_g = _grads(lambda a, b, c: attention_ref(a, b, c, upcast=False, **kw)[0], (q, k, v), dout)
+    for name, g, t, gl in zip(("dq", "dk", "dv"), ours, truth_g, lp_g):
+        _check(name, g, t, gl, what)
+    if deterministic:
+        again = _grads(lambda a, b, c: attn(a, b, c, deterministic=True, **kw), (q, k, v), dout)[1]
+        assert all(torch.equal(a, b) for a, b in zip(ours, again)), what
+
+
 def test_window_varlen_forward_many_tiles():
     """Packed sequences with a window and many tiles: the tiles past each sequence's end do nothing."""
     hdim = ([h for h in HDIMS if h <= 128] or HDIMS[:1])[0]

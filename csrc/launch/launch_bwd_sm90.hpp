@@ -8,6 +8,7 @@
 #include "../common/bwd_prepost.cuh"
 #include "../dispatch.h"
 #include "../sm90/bwd_postprocess_sm90.hpp"
+#include "../sm90/kernel_bwd_persistent_sm90.hpp"
 #include "../sm90/kernel_bwd_sm90.hpp"
 #include "../sm90/kernel_traits_bwd_sm90.hpp"
 #include "launch_common.hpp"
@@ -25,7 +26,21 @@ void run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   }
   bwd_preprocess_kernel<Element, kHeadDim><<<prepost_grid<kHeadDim>(p), kPrePostThreads, 0, stream>>>(p);
   check_cuda(cudaGetLastError(), "backward pre-pass launch");
-  launch_sm90<BwdKernelSm90<Traits, kCausal, kLocal>>(p, stream, "backward kernel launch");
+  using OneTile = BwdKernelSm90<Traits, kCausal, kLocal>;
+  // Sliding windows of fixed-length batches at head dims <= 128, when the window is at most half the sequence
+  // (nearly every key tile then costs the same), take the persistent kernel, as the forward does: its static
+  // schedule would not balance causal's unequal tiles (docs/perf_notes.md, session 12).
+  if constexpr (kLocal && !Traits::kWide) {
+    const bool uniform_tiles = p.cu_seqlens_q == nullptr && p.seqused_q == nullptr && p.seqused_k == nullptr &&
+                               OneTile::tail_blocks(p) > 0;
+    if (uniform_tiles) {
+      launch_sm90<BwdPersistentKernelSm90<Traits, kCausal, kLocal>>(p, stream, "persistent backward kernel launch");
+    } else {
+      launch_sm90<OneTile>(p, stream, "backward kernel launch");
+    }
+  } else {
+    launch_sm90<OneTile>(p, stream, "backward kernel launch");
+  }
   const dim3 post_grid(p.seqlen_q_rounded / Traits::kBlockM, p.nheads_q, p.batch);
   bwd_postprocess_sm90_kernel<Traits><<<post_grid, Traits::kNumMmaThreads, 0, stream>>>(p);
   check_cuda(cudaGetLastError(), "backward post-pass launch");

@@ -185,8 +185,12 @@ struct BwdKernelSm90 {
     m_max = seq.bm.m_block_max(n_block);
   }
 
+  // `state` carries across the tiles of a persistent CTA; before_kv() runs before K and V are loaded over the
+  // previous tile's (the persistent kernel waits there until its consumers are done with them).
+  template <class BeforeKV>
   CUTE_DEVICE void load(Params const& params, typename Traits::PipelineQdO& pipeline, SharedStorage& smem,
-                        int n_block, int bidh_kv, Seq const& seq, TraceRow const& trace) const {
+                        int n_block, int bidh_kv, Seq const& seq, typename Traits::PipelineState& state,
+                        BeforeKV&& before_kv, TraceRow const& trace) const {
     const SeqInfo& si = seq.info;
     Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutV{});
@@ -206,6 +210,7 @@ struct BwdKernelSm90 {
                            make_coord(n_block, _0{}));
     auto tK = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
     auto tV = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+    before_kv();
     smem.barrier_kv.arrive_and_expect_tx(Traits::kTmaBytesKV);
     copy(params.tma_k.with(reinterpret_cast<BarrierT&>(smem.barrier_kv)), get<0>(tK), get<1>(tK));
     copy(params.tma_v.with(reinterpret_cast<BarrierT&>(smem.barrier_kv)), get<0>(tV), get<1>(tV));
@@ -213,7 +218,6 @@ struct BwdKernelSm90 {
 
     int m_min, m_max;
     m_block_range(seq, n_block, m_min, m_max);
-    auto state = cutlass::make_producer_start_state<typename Traits::PipelineQdO>();
     // Not unrolled: the producer warpgroup runs on 24 registers, and unrolled copies of this loop spill.
 #pragma unroll 1
     for (int i = 0; i < params.head_ratio; ++i) {
@@ -318,8 +322,11 @@ struct BwdKernelSm90 {
 
   // Warp 1 of the producer warpgroup: per query block, waits for each consumer warpgroup's dQ half in
   // shared memory, reduce-adds it into dq_accum with one bulk copy, and hands the buffer back once read.
+  // The last block's buffer is handed back only with kReleaseLast (the persistent kernel, whose consumers take
+  // that release before they reuse the buffer); otherwise its barrier phase would stay open at exit.
   // Deterministic mode: key blocks of one (batch, head) add to a query block in a fixed order (turn()),
   // taking turns through a counter, so the fp32 sums are formed in the same order every run.
+  template <bool kReleaseLast = false>
   CUTE_DEVICE void store_dq(Params const& params, SharedStorage& smem, int n_block, int bidh_kv, Seq const& seq) const {
     constexpr int kChunk = Traits::kdQChunk;
     const bool leader = cute::elect_one_sync();
@@ -332,7 +339,7 @@ struct BwdKernelSm90 {
       int* semaphore = params.dq_semaphore ? params.dq_semaphore + row0 / kBlockM : nullptr;
 #pragma unroll 1
       for (int m_block = m_min; m_block < m_max; ++m_block) {
-        const bool last = i == params.head_ratio - 1 && m_block == m_max - 1;
+        const bool last = !kReleaseLast && i == params.head_ratio - 1 && m_block == m_max - 1;
         if (semaphore != nullptr && leader) {
           while (load_acquire_gpu(semaphore + m_block) != turn(seq.bm, n_block, m_block)) {
           }
@@ -361,13 +368,17 @@ struct BwdKernelSm90 {
         }
       }
     }
-    if (leader) bulk_wait_all();
   }
 
-  template <class FragKV>
+  // `read` carries across the tiles of a persistent CTA, which loads K and V once per tile (barrier_kv phase
+  // kv_phase); after_gemms() runs once this warpgroup's last GEMM of the tile has retired. stand_in: warp 0
+  // releases the dQ buffer for the writer before the first step (a persistent CTA's later tiles take the
+  // writer's release of the previous tile's last block instead).
+  template <class FragKV, class AfterGemms>
   CUTE_DEVICE void mma(Params const& params, typename Traits::PipelineQdO& pipeline, SharedStorage& smem,
                        FragKV& tdKrdK, FragKV& tdVrdV, int thread_idx, int n_block, Seq const& seq,
-                       TraceRow const& trace) const {
+                       typename Traits::PipelineState& read, int kv_phase, bool stand_in,
+                       AfterGemms&& after_gemms, TraceRow const& trace) const {
     typename Traits::TiledMmaSdP mma_sdp;
     typename Traits::TiledMmadKV mma_dkv;
     typename Traits::TiledMmadQ mma_dq;
@@ -431,21 +442,25 @@ struct BwdKernelSm90 {
     m_block_range(seq, n_block, m_min, m_max);
     // This warpgroup's dQ buffer starts empty: warp 0 stands in for the writer warp's first release (the
     // writer skips its last one, so every barrier phase started is completed).
-    if (m_min < m_max && wg_thread < 32) named_barrier_arrive(128 + 32, int(BwdBarrier::kdQEmpty0) + warp_group);
-    smem.barrier_kv.wait(0);
+    if (stand_in && m_min < m_max && wg_thread < 32) named_barrier_arrive(128 + 32, int(BwdBarrier::kdQEmpty0) + warp_group);
+    smem.barrier_kv.wait(kv_phase);
     if (thread_idx == 0) trace.stamp(2);
 
-    typename Traits::PipelineState read, prev;
+    // The stage of this tile's previous step (-1: none yet), released once the next step's S^T has retired.
+    // Only its index is kept (consumer_release reads nothing else): registers are at their limit here.
+    int prev_stage = -1;
     for (int i = 0; i < params.head_ratio; ++i) {
       for (int m_block = m_min; m_block < m_max; ++m_block) {
         const int s = read.index();
         pipeline.consumer_wait(read);
-        warpgroup_gemm</*zero_init=*/true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, s), tSrS);
-        warpgroup_gemm<true, -1>(mma_sdp, tSrV, tSrdO(_, _, _, s), tSrdP);
+        // K's and V's descriptors are the same every step, but made here from an opaque base: precomputed
+        // for every k-step before the loop they took 32 registers, and the persistent kernel spilled them.
+        warpgroup_gemm</*zero_init=*/true, -1>(mma_sdp, opaque_descriptors(tSrK), tSrQ(_, _, _, s), tSrS);
+        warpgroup_gemm<true, -1>(mma_sdp, opaque_descriptors(tSrV), tSrdO(_, _, _, s), tSrdP);
         // S^T has retired, and with it the previous step's dK GEMM, the last reader of that step's stage.
         warpgroup_wait<1>();
         warpgroup_fence_operand(tSrS);
-        if (read.count() > 0 && wg_thread == 0) pipeline.consumer_release(prev);
+        if (prev_stage >= 0 && wg_thread == 0) pipeline.consumer_release(stage_state(prev_stage));
 
         const float* lse_s = &sLse(query_thr, s);
         const float* dpsum_s = &sDpsum(query_thr, s);
@@ -468,7 +483,7 @@ struct BwdKernelSm90 {
         warpgroup_gemm<false, -1>(mma_dkv, tPrP, tdVrdOt(_, _, _, s), tdVrdV);
         cutlass::arch::fence_view_async_shared();
         named_barrier_sync(Traits::kNumMmaThreads, int(BwdBarrier::kdS));
-        warpgroup_gemm<true, 1>(mma_dq, tdQrdS(_, _, _, buf), tdQrKt, tdQrdQ);  // dV retired
+        warpgroup_gemm<true, 1>(mma_dq, tdQrdS(_, _, _, buf), opaque_descriptors(tdQrKt), tdQrdQ);  // dV retired
         warpgroup_fence_operand(tdVrdV);
         warpgroup_gemm<false, 1>(mma_dkv, tdSrdS, tdKrQt(_, _, _, s), tdKrdK);  // dQ retired
         warpgroup_fence_operand(tdQrdQ);
@@ -481,15 +496,20 @@ struct BwdKernelSm90 {
         }
         cutlass::arch::fence_view_async_shared();  // visible to the bulk copy (async proxy)
         named_barrier_arrive(128 + 32, int(BwdBarrier::kdQFull0) + warp_group);
-        if (thread_idx == 0 && read.count() == 0) trace.stamp(3);
-        prev = read;
+        if (thread_idx == 0 && prev_stage < 0) trace.stamp(3);
+        prev_stage = s;
         ++read;
       }
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(tdKrdK);
+    after_gemms();
     if (thread_idx == 0) trace.stamp(4);
-    if (read.count() > 0 && wg_thread == 0) pipeline.consumer_release(prev);
+    if (prev_stage >= 0 && wg_thread == 0) pipeline.consumer_release(stage_state(prev_stage));
+  }
+
+  CUTE_DEVICE static typename Traits::PipelineState stage_state(int stage) {
+    return typename Traits::PipelineState(stage, 0u, 0u);
   }
 
   // Head dims 192 / 256 (BwdWideTraitsSm90): the warpgroups split queries for S^T and dP^T and head_dim
@@ -623,20 +643,25 @@ struct BwdKernelSm90 {
   }
 
   // dK (scaled by softmax_scale: S = scale * Q K^T) and dV to global memory, rows past seqlen_k skipped, as
-  // 16-byte row pieces through a staging tile over the Q and dO buffers (store_staged). Straight from the
+  // 16-byte row pieces through a staging tile at `tile` (store_staged): kStoreTileBytes of padded rows over
+  // the Q and dO buffers (store_tile_qdo), or, in the persistent kernel, whose next tile's Q and dO may be
+  // loading by then, the dS buffers (kSwizzled where the padded tile does not fit in them). Straight from the
   // accumulators (4-byte pairs, 8 rows a warp instruction) they took ~9.2k cycles a CTA on the H200, 7% of a
   // 4096-window CTA at hdim 128 (tools/trace_tiles.py, docs/perf_notes.md session 9).
-  template <class FragKV>
-  CUTE_DEVICE void store(Params const& params, SharedStorage& smem, FragKV const& tdKrdK, FragKV const& tdVrdV,
+  static constexpr int kStoreTileBytes = kBlockN * staged_pitch<kHeadDim> * int(sizeof(Element));
+  CUTE_DEVICE static Element* store_tile_qdo(SharedStorage& smem) {
+    // smem.q and smem.dout are adjacent members (1024-aligned, sizes multiples of 1024).
+    static_assert(sizeof(smem.q) % 1024 == 0 && kStoreTileBytes <= int(sizeof(smem.q) + sizeof(smem.dout)),
+                  "the dK / dV staging tile must fit in the Q and dO buffers");
+    return smem.q.data();
+  }
+
+  template <bool kSwizzled = false, class FragKV>
+  CUTE_DEVICE void store(Params const& params, Element* tile, FragKV const& tdKrdK, FragKV const& tdVrdV,
                          int thread_idx, int n_block, int bidh_kv, Seq const& seq) const {
     typename Traits::TiledMmadKV mma_dkv;
     auto thr_dkv = mma_dkv.get_thread_slice(thread_idx);
     Tensor tdKVcdKV = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-    // The tile spans smem.q and smem.dout, adjacent members (1024-aligned, sizes multiples of 1024).
-    constexpr int kTileBytes = kBlockN * staged_pitch<kHeadDim> * int(sizeof(Element));
-    static_assert(sizeof(smem.q) % 1024 == 0 && kTileBytes <= int(sizeof(smem.q) + sizeof(smem.dout)),
-                  "the dK / dV staging tile must fit in the Q and dO buffers");
-    Element* tile = smem.q.data();
     auto sync = [] { named_barrier_sync(Traits::kNumMmaThreads, int(BwdBarrier::kEpilogue)); };
     // Both warpgroups' GEMMs (each one's dQ GEMM reads the other's dS, its dK GEMM the last Q stage) are done
     // past this barrier, and the producer has no load left in flight.
@@ -646,13 +671,24 @@ struct BwdKernelSm90 {
                      float scale) {
       Element* out = static_cast<Element*>(base) + seq.info.batch * batch_stride + bidh_kv * head_stride +
                      (int64_t(seq.info.offset_k) + n_block * kBlockN) * row_stride;
-      store_staged<Element, kBlockN, kHeadDim, Traits::kNumMmaThreads>(
+      store_staged<Element, kBlockN, kHeadDim, Traits::kNumMmaThreads, kSwizzled>(
           tdKVcdKV, [&](int e) { return acc(e); }, scale, out, row_stride, rows, tile, 0, thread_idx, sync);
     };
     write(tdKrdK, params.dk, params.dk_batch_stride, params.dk_row_stride, params.dk_head_stride,
           params.softmax_scale);
     sync();  // every thread has read dK's rows out of the tile
     write(tdVrdV, params.dv, params.dv_batch_stride, params.dv_row_stride, params.dv_head_stride, 1.f);
+  }
+
+  // The Q / dO pipeline: warpgroup 0 produces, each consumer warpgroup releases once per stage.
+  CUTE_DEVICE static typename Traits::PipelineQdO make_pipeline(SharedStorage& smem, int warp_group) {
+    typename Traits::PipelineQdO::Params pipe_params;
+    pipe_params.transaction_bytes = Traits::kTmaBytesQdO;
+    pipe_params.role = warp_group == 0 ? Traits::PipelineQdO::ThreadCategory::Producer
+                                       : Traits::PipelineQdO::ThreadCategory::Consumer;
+    pipe_params.is_leader = threadIdx.x == 0;
+    pipe_params.num_consumers = Traits::kNumMmaWarpGroups;
+    return typename Traits::PipelineQdO(smem.pipeline_qdo, pipe_params, Shape<_1, _1, _1>{});
   }
 
   CUTE_DEVICE void operator()(Params const& params, char* smem_buf) const {
@@ -663,13 +699,7 @@ struct BwdKernelSm90 {
     if (warp_idx == 0 && cute::elect_one_sync()) {
       smem.barrier_kv.init(/*arrive_count=*/1);
     }
-    typename Traits::PipelineQdO::Params pipe_params;
-    pipe_params.transaction_bytes = Traits::kTmaBytesQdO;
-    pipe_params.role = warp_group == 0 ? Traits::PipelineQdO::ThreadCategory::Producer
-                                       : Traits::PipelineQdO::ThreadCategory::Consumer;
-    pipe_params.is_leader = threadIdx.x == 0;
-    pipe_params.num_consumers = Traits::kNumMmaWarpGroups;  // one release per warpgroup
-    typename Traits::PipelineQdO pipeline(smem.pipeline_qdo, pipe_params, Shape<_1, _1, _1>{});
+    typename Traits::PipelineQdO pipeline = make_pipeline(smem, warp_group);
     __syncthreads();
 
     // Deterministic causal dQ goes from the last key block down (turn()), so key block n waits for n + 1.
@@ -697,11 +727,15 @@ struct BwdKernelSm90 {
       const int warp = warp_idx % 4;
       if (warp == 0 && threadIdx.x == 0) {
         trace.stamp(8);
-        load(params, pipeline, smem, n_block, bidh_kv, seq, trace);
+        auto state = cutlass::make_producer_start_state<typename Traits::PipelineQdO>();
+        load(params, pipeline, smem, n_block, bidh_kv, seq, state, [] {}, trace);
       }
       if constexpr (!Traits::kWide) {
-        if (warp == 1) store_dq(params, smem, n_block, bidh_kv, seq);
-        if (warp == 1 && cute::elect_one_sync()) trace.stamp(6);
+        if (warp == 1) {
+          store_dq(params, smem, n_block, bidh_kv, seq);
+          bulk_wait_all();  // async groups are per thread: the lane that issued them waits, the others pass
+          if (cute::elect_one_sync()) trace.stamp(6);
+        }
       }
     } else {
       arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
@@ -713,9 +747,11 @@ struct BwdKernelSm90 {
       if constexpr (Traits::kWide) {
         mma_wide(params, pipeline, smem, tdKrdK, tdVrdV, thread_idx, n_block, bidh_kv, seq);
       } else {
-        mma(params, pipeline, smem, tdKrdK, tdVrdV, thread_idx, n_block, seq, trace);
+        typename Traits::PipelineState read;
+        mma(params, pipeline, smem, tdKrdK, tdVrdV, thread_idx, n_block, seq, read, /*kv_phase=*/0,
+            /*stand_in=*/true, [] {}, trace);
       }
-      store(params, smem, tdKrdK, tdVrdV, thread_idx, n_block, bidh_kv, seq);
+      store(params, store_tile_qdo(smem), tdKrdK, tdVrdV, thread_idx, n_block, bidh_kv, seq);
       if (thread_idx == 0) trace.stamp(5);
       if (thread_idx == 128) trace.stamp(7);
     }
