@@ -151,9 +151,10 @@ def test_window_forward_many_tiles(hdim, case, softcap):
     _check("lse", lse, truth_lse, lp_lse.float(), what)
 
 
-# The backward of fixed-length windows at most half the sequence runs persistent (one CTA per SM walks several
-# key tiles, carrying its pipelines across them): more tiles than SMs, GQA, key tiles that no query sees
-# (k_longer) and the deterministic turn order across the tiles of one CTA.
+# The backward of fixed-length windows at most half the sequence runs persistent at head dim 128 (one CTA per
+# SM walks several key tiles, carrying its pipelines across them): more tiles than SMs, GQA, key tiles that no
+# query sees (k_longer) and the deterministic turn order across the tiles of one CTA. Other head dims run the
+# one-CTA kernel on the same shapes.
 BWD_MANY_TILE_CASES = {
     "square": ((2, 2000, 2000), ((100, 0), True)),
     "two_sided": ((1, 3001, 3001), ((37, 5), False)),

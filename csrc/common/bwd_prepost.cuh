@@ -100,25 +100,11 @@ inline dim3 prepost_grid(const BwdParams& p) {
 template <int kCols>
 constexpr int staged_pitch = kCols + 8;
 
-// Where element (row, col) of a staged tile lives: in padded rows (staged_pitch), or with kSwizzled, for a
-// tile that must fit in kRows x kCols elements exactly, in unpadded rows whose 16-byte pieces are permuted by
-// XOR with row % 8 (the warp's 8 rows x 4 pairs land in 32 banks all the same; needs kCols / 8 a power of two
-// >= 8).
-template <int kCols, bool kSwizzled>
-__device__ __forceinline__ int staged_index(int row, int col) {
-  if constexpr (kSwizzled) {
-    static_assert(kCols / 8 >= 8 && (kCols / 8 & (kCols / 8 - 1)) == 0, "XOR with row % 8 must stay in the row");
-    return row * kCols + (((col / 8) ^ (row % 8)) * 8) + col % 8;
-  } else {
-    return row * staged_pitch<kCols> + col;
-  }
-}
-
-template <class Element, int kRows, int kCols, int kThreads, bool kSwizzled = false, class Coord, class Value,
-          class Sync>
+template <class Element, int kRows, int kCols, int kThreads, class Coord, class Value, class Sync>
 __device__ __forceinline__ void store_staged(Coord const& c, Value const& value, float scale, Element* out,
                                              int64_t row_stride, int rows, Element* tile, int col0, int tid,
                                              Sync&& sync) {
+  constexpr int kPitch = staged_pitch<kCols>;
   constexpr int kVecs = kCols / 8;  // 16-byte pieces per row
   cutlass::NumericArrayConverter<Element, float, 2> convert;
 #pragma unroll
@@ -126,8 +112,8 @@ __device__ __forceinline__ void store_staged(Coord const& c, Value const& value,
     cutlass::Array<float, 2> f;
     f[0] = value(e) * scale;
     f[1] = value(e + 1) * scale;
-    *reinterpret_cast<cutlass::Array<Element, 2>*>(
-        &tile[staged_index<kCols, kSwizzled>(cute::get<0>(c(e)), col0 + cute::get<1>(c(e)))]) = convert(f);
+    *reinterpret_cast<cutlass::Array<Element, 2>*>(&tile[cute::get<0>(c(e)) * kPitch + col0 + cute::get<1>(c(e))]) =
+        convert(f);
   }
   sync();
 #pragma unroll
@@ -135,7 +121,7 @@ __device__ __forceinline__ void store_staged(Coord const& c, Value const& value,
     const int row = i / kVecs, v = i % kVecs;
     if (row < rows) {
       *reinterpret_cast<uint4*>(out + row * row_stride + v * 8) =
-          *reinterpret_cast<const uint4*>(&tile[staged_index<kCols, kSwizzled>(row, v * 8)]);
+          *reinterpret_cast<const uint4*>(&tile[row * kPitch + v * 8]);
     }
   }
 }

@@ -1,6 +1,7 @@
-// sm90 backward, persistent (head dims <= 128): one CTA per SM walks the key tiles of the launch order
-// (tile_order.hpp) in the forward's static snake order (kernel_fwd_persistent_sm90.hpp), so the work between
-// two tiles overlaps instead of running alone. Used for sliding windows, whose tiles nearly all cost the same.
+// sm90 backward, persistent (the head dims <= 128 tiling; launched at 128 so far, see launch_bwd_sm90.hpp): one
+// CTA per SM walks the key tiles of the launch order (tile_order.hpp) in the forward's static snake order
+// (kernel_fwd_persistent_sm90.hpp), so the work between two tiles overlaps instead of running alone. Used for
+// sliding windows, whose tiles nearly all cost the same.
 // Traces of the one-CTA-per-tile kernel (docs/perf_notes.md, sessions 9 and 11) put ~10.2k cycles of a
 // 4096-window tile outside its steps: start to K / V ready 4.6k, a slower first step 0.9k, the dK / dV store
 // 3.4k and 1.2k between one CTA's end and the next one's start. Both the window and causal rows pay them on
@@ -10,19 +11,22 @@
 //   * the Q / dO pipeline states, so the next tile's first query blocks load under the current tile's last
 //     steps and its store;
 //   * K / V: one buffer, loaded again (barrier_kv phase = tile parity) once both consumer warpgroups signal
-//     kv_empty after their last GEMM of the tile, so the load runs under the dK / dV store;
-//   * the dK / dV store stages through the dS buffers (whose last readers, the tile's dQ GEMMs, are done by
-//     then), not Q / dO's, which may hold the next tile's query blocks, nor dQ's, which the writer warp may
-//     still be reading: unpadded, 16-byte pieces swizzled, where the padded tile does not fit (head dim 128);
-//   * the dQ buffer's empty barrier: the writer hands the buffer back after every block, so each tile's first
-//     step takes the release of the previous tile's last block, and only the first tile needs the consumers'
-//     stand-in (the release after the last tile is taken once the tile loop ends).
+//     kv_empty after their last GEMM of the tile, from L2 (prefetched a few steps earlier, when the producer
+//     has issued the tile's last query blocks), so the load runs under the dK / dV store;
+//   * dK and dV leave by TMA store, left running while the next tile starts: dK from a swizzled tile over the
+//     dS buffers (whose last readers, the tile's dQ GEMMs, are done by then), dV from one over the dQ buffer
+//     (once the writer warp has read the tile's last block out of it; it hands the buffer back after every
+//     block here). Not through the Q / dO buffers, which may hold the next tile's query blocks. The next tile
+//     waits for both stores to have read shared memory before it writes dS or dQ. (Staged through shared
+//     memory and 16-byte stores as the one-CTA kernel does, the store took 4.6k cycles a tile here, against
+//     3.4k there: docs/perf_notes.md, session 12.)
 #pragma once
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 
+#include "../common/fragment.hpp"
 #include "../common/tile_order.hpp"
 #include "../common/trace.hpp"
 #include "kernel_bwd_sm90.hpp"
@@ -49,8 +53,17 @@ struct BwdPersistentKernelSm90 {
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= 227 * 1024, "the persistent tile does not fit in shared memory");
 
+  using TileKV = Shape<Int<kBlockN>, Int<Traits::kHeadDim>>;
+  using SmemLayoutdKV = decltype(tile_to_shape(gmma_smem_atom<Element, Traits::kHeadDim, GMMA::Major::K>(), TileKV{}));
+  using TmaStoreKV = decltype(make_tma_copy(
+      SM90_TMA_STORE{},
+      make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), typename Base::ShapeT{}, typename Base::StrideT{}),
+      SmemLayoutdKV{}, TileKV{}, _1{}));
+
   struct Params {
     typename Base::Params base;
+    TmaStoreKV tma_dk, tma_dv;
+    typename Base::ShapeT shape_kv;
     int num_n_blocks;  // key tiles per (head, batch): the launch order's block extent
     int num_tiles;
   };
@@ -61,7 +74,19 @@ struct BwdPersistentKernelSm90 {
   }
 
   static Params to_params(BwdParams const& p) {
-    return {Base::to_params(p), int(Base::grid(p).x), num_tiles(p)};
+    // Fixed-length batches only (see the launcher), so rows past seqlen_k are clipped by the TMA unit.
+    const typename Base::ShapeT shape_kv = make_shape(p.seqlen_k, p.head_dim, p.nheads_kv, p.batch);
+    auto tma = [&](void* base, int64_t batch_stride, int64_t row_stride, int64_t head_stride) {
+      Tensor m = make_tensor(make_gmem_ptr(static_cast<Element*>(base)), shape_kv,
+                             make_stride(row_stride, _1{}, head_stride, batch_stride));
+      return make_tma_copy(SM90_TMA_STORE{}, m, SmemLayoutdKV{}, TileKV{}, _1{});
+    };
+    return {Base::to_params(p),
+            tma(p.dk, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride),
+            tma(p.dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride),
+            shape_kv,
+            int(Base::grid(p).x),
+            num_tiles(p)};
   }
 
   static dim3 grid(BwdParams const& p) {
@@ -98,6 +123,50 @@ struct BwdPersistentKernelSm90 {
     }
   }
 
+  // dK (times softmax_scale) and dV of tile t: 16-bit, stmatrix into their swizzled tiles (dK over the dS
+  // buffers, dV over the dQ buffer once the writer is done with it), then TMA stores left running (see the top).
+  template <class FragKV>
+  CUTE_DEVICE static void store_async(Params const& params, SharedStorage& smem, FragKV& tdKrdK, FragKV& tdVrdV,
+                                      int tidx, Tile const& t, bool had_steps) {
+    typename Traits::TiledMmadKV mma_dkv;
+    Tensor sdK = make_tensor(make_smem_ptr(smem.ds.data()), SmemLayoutdKV{});
+    Tensor sdV = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem.dq.data())), SmemLayoutdKV{});
+    auto copy_dkv = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_dkv);
+    auto thr_copy = copy_dkv.get_thread_slice(tidx);
+    Tensor out = make_tensor<Element>(tdKrdK.layout());
+#pragma unroll
+    for (int i = 0; i < size(tdKrdK); ++i) tdKrdK(i) *= params.base.softmax_scale;
+    convert_fragment(tdKrdK, out);
+    // Both warpgroups' GEMMs of the tile (each one's dQ GEMM reads the other's dS) are done past this barrier.
+    named_barrier_sync(Traits::kNumMmaThreads, int(BwdBarrier::kEpilogue));
+    copy(copy_dkv, thr_copy.retile_S(out), thr_copy.partition_D(sdK));
+    convert_fragment(tdVrdV, out);
+    // The dQ buffer: the writer's release of this warpgroup's half after the tile's last block, then of both
+    // (each warpgroup's rows of the swizzled dV tile span both halves).
+    if (had_steps) named_barrier_sync(128 + 32, int(BwdBarrier::kdQEmpty0) + tidx / 128);
+    named_barrier_sync(Traits::kNumMmaThreads, int(BwdBarrier::kEpilogue));
+    copy(copy_dkv, thr_copy.retile_S(out), thr_copy.partition_D(sdV));
+    cutlass::arch::fence_view_async_shared();  // stmatrix writes visible to the TMA unit (async proxy)
+    named_barrier_sync(Traits::kNumMmaThreads, int(BwdBarrier::kEpilogue));
+    if (tidx == 0) {
+      auto issue = [&](auto const& tma, auto const& s) {
+        Tensor g = local_tile(tma.get_tma_tensor(params.shape_kv)(_, _, t.bidh_kv, t.seq.info.batch), TileKV{},
+                              make_coord(t.n_block, _0{}));
+        auto [tg, ts] = tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
+        copy(tma, ts, tg);
+      };
+      issue(params.tma_dk, sdK);
+      issue(params.tma_dv, sdV);
+      tma_store_arrive();
+    }
+  }
+
+  // Before a tile writes dS or dQ (and before exit): the previous tile's dK / dV stores have read them.
+  CUTE_DEVICE static void wait_store_read(int tidx) {
+    if (tidx == 0) tma_store_wait<0>();
+    named_barrier_sync(Traits::kNumMmaThreads, int(BwdBarrier::kEpilogue));
+  }
+
   CUTE_DEVICE void operator()(Params const& params, char* smem_buf) const {
     using namespace cutlass;
     SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_buf);
@@ -119,9 +188,14 @@ struct BwdPersistentKernelSm90 {
         for_each_tile(params, [&](Tile const& t, int linear, int r) {
           const TraceRow trace{params.base.trace, linear};
           trace.stamp(8);
-          // K and V of the previous tile stay until both consumer warpgroups' last GEMMs of it have retired.
-          auto before_kv = [&] {
-            if (r > 0) smem.kv_empty.wait((r - 1) & 1);
+          // K and V of the previous tile stay until both consumer warpgroups' last GEMMs of it have retired. The
+          // producer gets here once it has issued the previous tile's last query blocks, a few steps before
+          // that: this tile's K and V are fetched into L2 meanwhile, so that their load under the store hits.
+          auto before_kv = [&](auto&& prefetch_kv) {
+            if (r > 0) {
+              prefetch_kv();
+              smem.kv_empty.wait((r - 1) & 1);
+            }
           };
           base.load(params.base, pipeline, smem, t.n_block, t.bidh_kv, t.seq, state, before_kv, trace);
         });
@@ -138,9 +212,8 @@ struct BwdPersistentKernelSm90 {
     arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
     const int thread_idx = int(threadIdx.x) - 128;
     typename Traits::PipelineState read;
-    bool stood_in = false;  // the dQ buffer's first release (BwdKernelSm90::mma's stand_in) has been given
     // The steps (BwdKernelSm90::mma) use all 240 registers. Everything derived from the thread index (fragment
-    // coordinates, shared-memory addresses of mma() and store()) is the same in every tile, and hoisted out of
+    // coordinates, shared-memory addresses of mma() and the store) is the same in every tile, and hoisted out of
     // the tile loop it would stay live through the steps and spill into them: the index is made opaque per tile,
     // so it is derived again inside each.
 #pragma unroll 1
@@ -154,34 +227,28 @@ struct BwdPersistentKernelSm90 {
       Base::m_block_range(t.seq, t.n_block, m_min, m_max);
       if (tidx == 0) {
         trace_info(params.base.trace, linear, uint32_t(cute::max(0, m_max - m_min)));
-        trace.stamp(1);   // the tile's start: the previous tile's store is done
+        trace.stamp(1);   // the tile's start: the previous tile's store is issued
         trace.stamp(10);  // (the one-CTA kernel's "registers allocated": nothing between here)
       }
+      if (r > 0) wait_store_read(tidx);
       typename Traits::TiledMmadKV mma_dkv;
       Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<Traits::kHeadDim>>{});
       Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<Traits::kHeadDim>>{});
       auto after_gemms = [&] {
         if (tidx % 128 == 0) smem.kv_empty.arrive();
       };
-      base.mma(params.base, pipeline, smem, tdKrdK, tdVrdV, tidx, t.n_block, t.seq, read, r & 1, !stood_in,
-               after_gemms, trace);
-      stood_in = stood_in || m_min < m_max;
-      base.template store<kSwizzledStore>(params.base, smem.ds.data(), tdKrdK, tdVrdV, tidx, t.n_block,
-                                          t.bidh_kv, t.seq);
-      // Every thread has read the staging tile before the next tile writes dS over it.
-      named_barrier_sync(Traits::kNumMmaThreads, int(BwdBarrier::kEpilogue));
+      base.mma(params.base, pipeline, smem, tdKrdK, tdVrdV, tidx, t.n_block, t.seq, read, r & 1,
+               /*stand_in=*/true, after_gemms, trace);
+      store_async(params, smem, tdKrdK, tdVrdV, tidx, t, m_min < m_max);
       if (tidx == 0) trace.stamp(5);
       if (tidx == 128) trace.stamp(7);
     }
-    // The writer's release after the last block: taken, so that no barrier phase is left open at exit.
-    if (stood_in) named_barrier_sync(128 + 32, int(BwdBarrier::kdQEmpty0) + thread_idx / 128);
+    wait_store_read(thread_idx);  // shared memory stays valid until the last stores have read it
   }
 
-  // The dK / dV staging tile in the dS buffers: padded rows where they fit, else swizzled (exactly 128 x hdim).
-  static constexpr int kDsBytes = int(sizeof(Traits::SharedStorage::ds));
-  static constexpr bool kSwizzledStore = Base::kStoreTileBytes > kDsBytes;
-  static_assert(kBlockN * Traits::kHeadDim * int(sizeof(Element)) <= kDsBytes,
-                "the dK / dV staging tile must fit in the dS buffers");
+  static_assert(cosize_v<SmemLayoutdKV> * sizeof(Element) <= sizeof(Traits::SharedStorage::ds) &&
+                    cosize_v<SmemLayoutdKV> * sizeof(Element) <= sizeof(Traits::SharedStorage::dq),
+                "the dK and dV tiles must fit in the dS and the dQ buffers");
 };
 
 }  // namespace flash4

@@ -185,8 +185,9 @@ struct BwdKernelSm90 {
     m_max = seq.bm.m_block_max(n_block);
   }
 
-  // `state` carries across the tiles of a persistent CTA; before_kv() runs before K and V are loaded over the
-  // previous tile's (the persistent kernel waits there until its consumers are done with them).
+  // `state` carries across the tiles of a persistent CTA; before_kv(prefetch_kv) runs before K and V are loaded
+  // over the previous tile's (the persistent kernel prefetches them into L2 there, then waits until its
+  // consumers are done with the previous ones).
   template <class BeforeKV>
   CUTE_DEVICE void load(Params const& params, typename Traits::PipelineQdO& pipeline, SharedStorage& smem,
                         int n_block, int bidh_kv, Seq const& seq, typename Traits::PipelineState& state,
@@ -210,7 +211,10 @@ struct BwdKernelSm90 {
                            make_coord(n_block, _0{}));
     auto tK = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
     auto tV = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-    before_kv();
+    before_kv([&] {
+      cute::prefetch(params.tma_k, get<0>(tK));
+      cute::prefetch(params.tma_v, get<0>(tV));
+    });
     smem.barrier_kv.arrive_and_expect_tx(Traits::kTmaBytesKV);
     copy(params.tma_k.with(reinterpret_cast<BarrierT&>(smem.barrier_kv)), get<0>(tK), get<1>(tK));
     copy(params.tma_v.with(reinterpret_cast<BarrierT&>(smem.barrier_kv)), get<0>(tV), get<1>(tV));
@@ -643,25 +647,21 @@ struct BwdKernelSm90 {
   }
 
   // dK (scaled by softmax_scale: S = scale * Q K^T) and dV to global memory, rows past seqlen_k skipped, as
-  // 16-byte row pieces through a staging tile at `tile` (store_staged): kStoreTileBytes of padded rows over
-  // the Q and dO buffers (store_tile_qdo), or, in the persistent kernel, whose next tile's Q and dO may be
-  // loading by then, the dS buffers (kSwizzled where the padded tile does not fit in them). Straight from the
+  // 16-byte row pieces through a staging tile over the Q and dO buffers (store_staged). Straight from the
   // accumulators (4-byte pairs, 8 rows a warp instruction) they took ~9.2k cycles a CTA on the H200, 7% of a
-  // 4096-window CTA at hdim 128 (tools/trace_tiles.py, docs/perf_notes.md session 9).
-  static constexpr int kStoreTileBytes = kBlockN * staged_pitch<kHeadDim> * int(sizeof(Element));
-  CUTE_DEVICE static Element* store_tile_qdo(SharedStorage& smem) {
-    // smem.q and smem.dout are adjacent members (1024-aligned, sizes multiples of 1024).
-    static_assert(sizeof(smem.q) % 1024 == 0 && kStoreTileBytes <= int(sizeof(smem.q) + sizeof(smem.dout)),
-                  "the dK / dV staging tile must fit in the Q and dO buffers");
-    return smem.q.data();
-  }
-
-  template <bool kSwizzled = false, class FragKV>
-  CUTE_DEVICE void store(Params const& params, Element* tile, FragKV const& tdKrdK, FragKV const& tdVrdV,
+  // 4096-window CTA at hdim 128 (tools/trace_tiles.py, docs/perf_notes.md session 9). The persistent kernel
+  // stores its own way (kernel_bwd_persistent_sm90.hpp).
+  template <class FragKV>
+  CUTE_DEVICE void store(Params const& params, SharedStorage& smem, FragKV const& tdKrdK, FragKV const& tdVrdV,
                          int thread_idx, int n_block, int bidh_kv, Seq const& seq) const {
     typename Traits::TiledMmadKV mma_dkv;
     auto thr_dkv = mma_dkv.get_thread_slice(thread_idx);
     Tensor tdKVcdKV = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+    // The tile spans smem.q and smem.dout, adjacent members (1024-aligned, sizes multiples of 1024).
+    constexpr int kTileBytes = kBlockN * staged_pitch<kHeadDim> * int(sizeof(Element));
+    static_assert(sizeof(smem.q) % 1024 == 0 && kTileBytes <= int(sizeof(smem.q) + sizeof(smem.dout)),
+                  "the dK / dV staging tile must fit in the Q and dO buffers");
+    Element* tile = smem.q.data();
     auto sync = [] { named_barrier_sync(Traits::kNumMmaThreads, int(BwdBarrier::kEpilogue)); };
     // Both warpgroups' GEMMs (each one's dQ GEMM reads the other's dS, its dK GEMM the last Q stage) are done
     // past this barrier, and the producer has no load left in flight.
@@ -671,7 +671,7 @@ struct BwdKernelSm90 {
                      float scale) {
       Element* out = static_cast<Element*>(base) + seq.info.batch * batch_stride + bidh_kv * head_stride +
                      (int64_t(seq.info.offset_k) + n_block * kBlockN) * row_stride;
-      store_staged<Element, kBlockN, kHeadDim, Traits::kNumMmaThreads, kSwizzled>(
+      store_staged<Element, kBlockN, kHeadDim, Traits::kNumMmaThreads>(
           tdKVcdKV, [&](int e) { return acc(e); }, scale, out, row_stride, rows, tile, 0, thread_idx, sync);
     };
     write(tdKrdK, params.dk, params.dk_batch_stride, params.dk_row_stride, params.dk_head_stride,
@@ -728,7 +728,7 @@ struct BwdKernelSm90 {
       if (warp == 0 && threadIdx.x == 0) {
         trace.stamp(8);
         auto state = cutlass::make_producer_start_state<typename Traits::PipelineQdO>();
-        load(params, pipeline, smem, n_block, bidh_kv, seq, state, [] {}, trace);
+        load(params, pipeline, smem, n_block, bidh_kv, seq, state, [](auto&&) {}, trace);
       }
       if constexpr (!Traits::kWide) {
         if (warp == 1) {
@@ -751,7 +751,7 @@ struct BwdKernelSm90 {
         mma(params, pipeline, smem, tdKrdK, tdVrdV, thread_idx, n_block, seq, read, /*kv_phase=*/0,
             /*stand_in=*/true, [] {}, trace);
       }
-      store(params, store_tile_qdo(smem), tdKrdK, tdVrdV, thread_idx, n_block, bidh_kv, seq);
+      store(params, smem, tdKrdK, tdVrdV, thread_idx, n_block, bidh_kv, seq);
       if (thread_idx == 0) trace.stamp(5);
       if (thread_idx == 128) trace.stamp(7);
     }

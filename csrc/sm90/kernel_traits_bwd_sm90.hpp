@@ -100,7 +100,9 @@ struct BwdTraitsSm90 {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdS>> ds;
     // dQ of one query block: warpgroup w's half is floats [w * kdQChunk, (w + 1) * kdQChunk), float4 i of
     // thread t at i * 128 + t (16-byte stores, no bank conflicts), the order the post-pass expects.
-    alignas(128) cute::array_aligned<float, kBlockM * kHeadDim> dq;
+    // 1024-aligned (it follows ds, a multiple of 1024 bytes, so this adds no padding): the persistent kernel's
+    // dV leaves through it by TMA store from a 128-byte-swizzled tile.
+    alignas(1024) cute::array_aligned<float, kBlockM * kHeadDim> dq;
     alignas(128) cute::array_aligned<float, cosize_v<SmemLayoutRow>> lse_log2;  // TMA destinations: 128 B
     alignas(128) cute::array_aligned<float, cosize_v<SmemLayoutRow>> dpsum;
     alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_kv;

@@ -71,15 +71,6 @@ CUTE_DEVICE void named_barrier_arrive(int threads, int id) {
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
-// The same pointer, hidden from the optimizer: what is derived from it (GMMA descriptors of a shared buffer)
-// is computed again after each use of this, not hoisted out of an enclosing loop, where it would stay live
-// through everything else the loop body does (a persistent kernel's tile loop: its epilogue then spills).
-template <class T>
-CUTE_DEVICE T* opaque_ptr(T* p) {
-  asm volatile("" : "+l"(p));
-  return p;
-}
-
 // A GMMA operand fragment (a tensor of shared-memory descriptors) whose base descriptor the optimizer cannot
 // see: the per-k-step descriptors are derived from it where the GEMM issues, instead of all being made once
 // before a loop and kept live (or spilled) through it.
