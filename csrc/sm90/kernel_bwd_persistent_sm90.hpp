@@ -89,17 +89,10 @@ struct BwdPersistentKernelSm90 {
             num_tiles(p)};
   }
 
-  static dim3 grid(BwdParams const& p) {
-    const int sms = p.num_sms > 0 ? p.num_sms : 132;
-    return dim3(unsigned(num_tiles(p) < sms ? num_tiles(p) : sms), 1, 1);
-  }
+  static dim3 grid(BwdParams const& p) { return dim3(unsigned(persistent_ctas(num_tiles(p), p.num_sms)), 1, 1); }
 
-  // Launch index of this CTA's tile in round r (snake order), or -1 past the last tile.
-  CUTE_DEVICE static int tile_of_round(Params const& params, int r) {
-    const int g = int(gridDim.x), k = int(blockIdx.x);
-    const int linear = r * g + ((r & 1) ? g - 1 - k : k);
-    return linear < params.num_tiles ? linear : -1;
-  }
+  // Launch index of this CTA's tile in round r (snake order, tile_order.hpp), or -1 past the last tile.
+  CUTE_DEVICE static int tile_of_round(Params const& params, int r) { return snake_tile(r, params.num_tiles); }
 
   struct Tile {
     int n_block, bidh_kv;

@@ -682,13 +682,10 @@ struct BwdKernelSm90 {
 
   // The Q / dO pipeline: warpgroup 0 produces, each consumer warpgroup releases once per stage.
   CUTE_DEVICE static typename Traits::PipelineQdO make_pipeline(SharedStorage& smem, int warp_group) {
-    typename Traits::PipelineQdO::Params pipe_params;
-    pipe_params.transaction_bytes = Traits::kTmaBytesQdO;
-    pipe_params.role = warp_group == 0 ? Traits::PipelineQdO::ThreadCategory::Producer
-                                       : Traits::PipelineQdO::ThreadCategory::Consumer;
-    pipe_params.is_leader = threadIdx.x == 0;
-    pipe_params.num_consumers = Traits::kNumMmaWarpGroups;
-    return typename Traits::PipelineQdO(smem.pipeline_qdo, pipe_params, Shape<_1, _1, _1>{});
+    return typename Traits::PipelineQdO(
+        smem.pipeline_qdo,
+        tma_pipeline_params<typename Traits::PipelineQdO>(Traits::kTmaBytesQdO, warp_group, Traits::kNumMmaWarpGroups),
+        Shape<_1, _1, _1>{});
   }
 
   CUTE_DEVICE void operator()(Params const& params, char* smem_buf) const {

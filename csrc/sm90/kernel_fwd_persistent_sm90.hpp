@@ -11,9 +11,7 @@
 //     end of their main loop, so the load runs under the epilogue;
 //   * O: a buffer of its own (not Q's), left to its TMA store while the next tile runs;
 //   * the ping-pong barrier (see MainloopFwdSm90::mma, first_mma).
-// Tiles go to CTAs in a static snake order: round r gives tile r * G + k (r even) or r * G + G - 1 - k (r odd)
-// to CTA k of G. A list-scheduling simulation of window 4096 at 32k x 16 heads with the short tiles last:
-// 0.1-0.4% over the ideal makespan, as the hardware's dynamic order; plain round robin 1.7-1.8%.
+// Tiles go to CTAs in a static snake order (snake_tile, tile_order.hpp).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -72,17 +70,10 @@ struct FwdPersistentKernelSm90 {
             num_tiles(p), p.trace};
   }
 
-  static dim3 grid(FwdParams const& p) {
-    const int sms = p.num_sms > 0 ? p.num_sms : 132;
-    return dim3(unsigned(num_tiles(p) < sms ? num_tiles(p) : sms), 1, 1);
-  }
+  static dim3 grid(FwdParams const& p) { return dim3(unsigned(persistent_ctas(num_tiles(p), p.num_sms)), 1, 1); }
 
-  // Launch index of this CTA's tile in round r (snake order, see the top), or -1 past the last tile.
-  CUTE_DEVICE static int tile_of_round(Params const& params, int r) {
-    const int g = int(gridDim.x), k = int(blockIdx.x);
-    const int linear = r * g + ((r & 1) ? g - 1 - k : k);
-    return linear < params.num_tiles ? linear : -1;
-  }
+  // Launch index of this CTA's tile in round r (snake order, tile_order.hpp), or -1 past the last tile.
+  CUTE_DEVICE static int tile_of_round(Params const& params, int r) { return snake_tile(r, params.num_tiles); }
 
   struct Tile {
     int m_block, bidh;

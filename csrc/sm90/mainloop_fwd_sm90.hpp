@@ -118,12 +118,8 @@ struct MainloopFwdSm90 {
   // initialization; the caller's __syncthreads follows.
   template <class SharedStorage>
   CUTE_DEVICE static auto make_pipelines(SharedStorage& smem, int warp_group) {
-    typename Traits::PipelineK::Params pipe_params;
-    pipe_params.transaction_bytes = Traits::kTmaBytesKV;
-    pipe_params.role = warp_group == 0 ? Traits::PipelineK::ThreadCategory::Producer
-                                       : Traits::PipelineK::ThreadCategory::Consumer;
-    pipe_params.is_leader = threadIdx.x == 0;
-    pipe_params.num_consumers = Traits::kNumMmaWarpGroups;
+    const auto pipe_params =
+        tma_pipeline_params<typename Traits::PipelineK>(Traits::kTmaBytesKV, warp_group, Traits::kNumMmaWarpGroups);
     return cute::make_tuple(typename Traits::PipelineK(smem.pipeline_k, pipe_params, Shape<_1, _1, _1>{}),
                             typename Traits::PipelineV(smem.pipeline_v, pipe_params, Shape<_1, _1, _1>{}));
   }

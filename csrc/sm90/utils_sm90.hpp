@@ -61,6 +61,19 @@ CUTE_DEVICE void warpgroup_gemm(TiledMma& tiled_mma, TA const& tCrA, TB const& t
   if constexpr (kRegA) warpgroup_fence_operand(const_cast<TA&>(tCrA));
 }
 
+// Params of a TMA pipeline (cutlass::PipelineTmaAsync) whose producer is thread 0 of warpgroup 0 and whose
+// consumer warpgroups each release a stage once.
+template <class Pipeline>
+CUTE_DEVICE typename Pipeline::Params tma_pipeline_params(uint32_t transaction_bytes, int warp_group,
+                                                          int num_consumers) {
+  typename Pipeline::Params params;
+  params.transaction_bytes = transaction_bytes;
+  params.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  params.is_leader = threadIdx.x == 0;
+  params.num_consumers = num_consumers;
+  return params;
+}
+
 // Named barriers (id 0 is __syncthreads). bar.sync waits for `threads` arrivals counting itself;
 // bar.arrive adds arrivals without waiting: that pair orders two warpgroups without stalling the
 // signalling one.
