@@ -31,17 +31,15 @@ void run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   // (nearly every key tile then costs the same), take the persistent kernel, as the forward does: its static
   // schedule would not balance causal's unequal tiles. Head dims 64 and 96 compile with it but have not run its
   // final form (TMA-stored dK / dV) on a GPU yet, so they keep the one-CTA kernel (docs/perf_notes.md, session 12).
+  bool persistent = false;
   if constexpr (kLocal && !Traits::kWide && kHeadDim == 128) {
-    const bool uniform_tiles = p.cu_seqlens_q == nullptr && p.seqused_q == nullptr && p.seqused_k == nullptr &&
-                               OneTile::tail_blocks(p) > 0;
-    if (uniform_tiles) {
+    persistent = p.cu_seqlens_q == nullptr && p.seqused_q == nullptr && p.seqused_k == nullptr &&
+                 OneTile::tail_blocks(p) > 0;
+    if (persistent) {
       launch_sm90<BwdPersistentKernelSm90<Traits, kCausal, kLocal>>(p, stream, "persistent backward kernel launch");
-    } else {
-      launch_sm90<OneTile>(p, stream, "backward kernel launch");
     }
-  } else {
-    launch_sm90<OneTile>(p, stream, "backward kernel launch");
   }
+  if (!persistent) launch_sm90<OneTile>(p, stream, "backward kernel launch");
   const dim3 post_grid(p.seqlen_q_rounded / Traits::kBlockM, p.nheads_q, p.batch);
   bwd_postprocess_sm90_kernel<Traits><<<post_grid, Traits::kNumMmaThreads, 0, stream>>>(p);
   check_cuda(cudaGetLastError(), "backward post-pass launch");

@@ -230,8 +230,7 @@ struct BwdPersistentKernelSm90 {
       auto after_gemms = [&] {
         if (tidx % 128 == 0) smem.kv_empty.arrive();
       };
-      base.mma(params.base, pipeline, smem, tdKrdK, tdVrdV, tidx, t.n_block, t.seq, read, r & 1,
-               /*stand_in=*/true, after_gemms, trace);
+      base.mma(params.base, pipeline, smem, tdKrdK, tdVrdV, tidx, t.n_block, t.seq, read, r & 1, after_gemms, trace);
       store_async(params, smem, tdKrdK, tdVrdV, tidx, t, m_min < m_max);
       if (tidx == 0) trace.stamp(5);
       if (tidx == 128) trace.stamp(7);

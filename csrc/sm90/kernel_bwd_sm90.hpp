@@ -375,14 +375,12 @@ struct BwdKernelSm90 {
   }
 
   // `read` carries across the tiles of a persistent CTA, which loads K and V once per tile (barrier_kv phase
-  // kv_phase); after_gemms() runs once this warpgroup's last GEMM of the tile has retired. stand_in: warp 0
-  // releases the dQ buffer for the writer before the first step (a persistent CTA's later tiles take the
-  // writer's release of the previous tile's last block instead).
+  // kv_phase); after_gemms() runs once this warpgroup's last GEMM of the tile has retired.
   template <class FragKV, class AfterGemms>
   CUTE_DEVICE void mma(Params const& params, typename Traits::PipelineQdO& pipeline, SharedStorage& smem,
                        FragKV& tdKrdK, FragKV& tdVrdV, int thread_idx, int n_block, Seq const& seq,
-                       typename Traits::PipelineState& read, int kv_phase, bool stand_in,
-                       AfterGemms&& after_gemms, TraceRow const& trace) const {
+                       typename Traits::PipelineState& read, int kv_phase, AfterGemms&& after_gemms,
+                       TraceRow const& trace) const {
     typename Traits::TiledMmaSdP mma_sdp;
     typename Traits::TiledMmadKV mma_dkv;
     typename Traits::TiledMmadQ mma_dq;
@@ -445,8 +443,9 @@ struct BwdKernelSm90 {
     int m_min, m_max;
     m_block_range(seq, n_block, m_min, m_max);
     // This warpgroup's dQ buffer starts empty: warp 0 stands in for the writer warp's first release (the
-    // writer skips its last one, so every barrier phase started is completed).
-    if (stand_in && m_min < m_max && wg_thread < 32) named_barrier_arrive(128 + 32, int(BwdBarrier::kdQEmpty0) + warp_group);
+    // writer skips its last one, or, in the persistent kernel, the store takes it, so every barrier phase
+    // started is completed).
+    if (m_min < m_max && wg_thread < 32) named_barrier_arrive(128 + 32, int(BwdBarrier::kdQEmpty0) + warp_group);
     smem.barrier_kv.wait(kv_phase);
     if (thread_idx == 0) trace.stamp(2);
 
@@ -745,8 +744,7 @@ struct BwdKernelSm90 {
         mma_wide(params, pipeline, smem, tdKrdK, tdVrdV, thread_idx, n_block, bidh_kv, seq);
       } else {
         typename Traits::PipelineState read;
-        mma(params, pipeline, smem, tdKrdK, tdVrdV, thread_idx, n_block, seq, read, /*kv_phase=*/0,
-            /*stand_in=*/true, [] {}, trace);
+        mma(params, pipeline, smem, tdKrdK, tdVrdV, thread_idx, n_block, seq, read, /*kv_phase=*/0, [] {}, trace);
       }
       store(params, smem, tdKrdK, tdVrdV, thread_idx, n_block, bidh_kv, seq);
       if (thread_idx == 0) trace.stamp(5);
