@@ -27,12 +27,11 @@ void run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   bwd_preprocess_kernel<Element, kHeadDim><<<prepost_grid<kHeadDim>(p), kPrePostThreads, 0, stream>>>(p);
   check_cuda(cudaGetLastError(), "backward pre-pass launch");
   using OneTile = BwdKernelSm90<Traits, kCausal, kLocal>;
-  // Sliding windows of fixed-length batches at head dim 128, when the window is at most half the sequence
+  // Sliding windows of fixed-length batches at head dims <= 128, when the window is at most half the sequence
   // (nearly every key tile then costs the same), take the persistent kernel, as the forward does: its static
-  // schedule would not balance causal's unequal tiles. Head dims 64 and 96 compile with it but have not run its
-  // final form (TMA-stored dK / dV) on a GPU yet, so they keep the one-CTA kernel (docs/perf_notes.md, session 12).
+  // schedule would not balance causal's unequal tiles. Measured at head dim 128 (docs/perf_notes.md, session 12).
   bool persistent = false;
-  if constexpr (kLocal && !Traits::kWide && kHeadDim == 128) {
+  if constexpr (kLocal && !Traits::kWide) {
     persistent = p.cu_seqlens_q == nullptr && p.seqused_q == nullptr && p.seqused_k == nullptr &&
                  OneTile::tail_blocks(p) > 0;
     if (persistent) {

@@ -10,6 +10,7 @@
 // What carries from tile to tile (the steps themselves are BwdKernelSm90's):
 //   * the Q / dO pipeline states, so the next tile's first query blocks load under the current tile's last
 //     steps and its store;
+//   * the tiles themselves: the producer works each one out and hands it to the consumers (tile_full / empty);
 //   * K / V: one buffer, loaded again (barrier_kv phase = tile parity) once both consumer warpgroups signal
 //     kv_empty after their last GEMM of the tile, from L2 (prefetched a few steps earlier, when the producer
 //     has issued the tile's last query blocks), so the load runs under the dK / dV store;
@@ -47,8 +48,19 @@ struct BwdPersistentKernelSm90 {
   static_assert(!Traits::kWide, "the persistent backward uses the dQ writer warp of the head dims <= 128 kernel");
   static_assert(kLocal, "the persistent backward walks the masked launch order of a sliding window");
 
+  // A tile as the producer publishes it to the consumers (launch index -1: no tile left).
+  struct PublishedTile {
+    int linear, n_block, bidh_kv, batch;
+  };
+
   struct SharedStorage : Traits::SharedStorage {
     alignas(16) cutlass::arch::ClusterBarrier kv_empty;  // both consumer warpgroups are done with K and V
+    // The producer works out each tile (launch order, sequence) and hands it to the consumers in a ring of two, a
+    // few steps before they start it: worked out by the consumers, it sat between one tile's store and the next
+    // tile's first GEMM (~1.3k cycles a tile in session 12's traces).
+    alignas(16) cutlass::arch::ClusterBarrier tile_full[2];
+    alignas(16) cutlass::arch::ClusterBarrier tile_empty[2];  // one arrival per consumer warp
+    PublishedTile tiles[2];
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= 227 * 1024, "the persistent tile does not fit in shared memory");
@@ -169,6 +181,10 @@ struct BwdPersistentKernelSm90 {
     if (warp_idx == 0 && cute::elect_one_sync()) {
       smem.barrier_kv.init(/*arrive_count=*/1);
       smem.kv_empty.init(/*arrive_count=*/Traits::kNumMmaWarpGroups);
+      for (int i = 0; i < 2; ++i) {
+        smem.tile_full[i].init(/*arrive_count=*/1);
+        smem.tile_empty[i].init(/*arrive_count=*/Traits::kNumMmaThreads / 32);
+      }
     }
     typename Traits::PipelineQdO pipeline = Base::make_pipeline(smem, warp_group);
     __syncthreads();
@@ -178,7 +194,16 @@ struct BwdPersistentKernelSm90 {
       const int warp = warp_idx % 4;
       if (warp == 0 && threadIdx.x == 0) {
         auto state = cutlass::make_producer_start_state<typename Traits::PipelineQdO>();
+        auto publish = [&](int r, PublishedTile const& tile) {
+          const int slot = r & 1;
+          if (r >= 2) smem.tile_empty[slot].wait(((r >> 1) - 1) & 1);
+          smem.tiles[slot] = tile;
+          smem.tile_full[slot].arrive();
+        };
+        int rounds = 0;
         for_each_tile(params, [&](Tile const& t, int linear, int r) {
+          publish(r, {linear, t.n_block, t.bidh_kv, t.seq.info.batch});
+          rounds = r + 1;
           const TraceRow trace{params.base.trace, linear};
           trace.stamp(8);
           // K and V of the previous tile stay until both consumer warpgroups' last GEMMs of it have retired. The
@@ -192,6 +217,7 @@ struct BwdPersistentKernelSm90 {
           };
           base.load(params.base, pipeline, smem, t.n_block, t.bidh_kv, t.seq, state, before_kv, trace);
         });
+        publish(rounds, {-1, 0, 0, 0});
       } else if (warp == 1) {
         for_each_tile(params, [&](Tile const& t, int linear, int) {
           base.template store_dq</*kReleaseLast=*/true>(params.base, smem, t.n_block, t.bidh_kv, t.seq);
@@ -211,10 +237,15 @@ struct BwdPersistentKernelSm90 {
     // so it is derived again inside each.
 #pragma unroll 1
     for (int r = 0;; ++r) {
-      const int linear = tile_of_round(params, r);
+      const int slot = r & 1;
+      smem.tile_full[slot].wait((r >> 1) & 1);
+      const PublishedTile pub = smem.tiles[slot];
+      __syncwarp();  // the warp's reads are done before its arrival frees the slot
+      if (thread_idx % 32 == 0) smem.tile_empty[slot].arrive();
+      const int linear = pub.linear;
       if (linear < 0) break;
       const int tidx = opaque_int(thread_idx);
-      const Tile t = tile_at_linear(params, linear);
+      const Tile t{pub.n_block, pub.bidh_kv, Base::seq_of(params.base, pub.batch)};
       const TraceRow trace{params.base.trace, linear};
       int m_min, m_max;
       Base::m_block_range(t.seq, t.n_block, m_min, m_max);
