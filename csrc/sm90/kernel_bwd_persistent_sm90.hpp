@@ -1,4 +1,4 @@
-// sm90 backward, persistent (the head dims <= 128 tiling; launched at 128 so far, see launch_bwd_sm90.hpp): one
+// sm90 backward, persistent (head dims <= 128, the tiling whose dQ writer warp it uses; see launch_bwd_sm90.hpp): one
 // CTA per SM walks the key tiles of the launch order (tile_order.hpp) in the forward's static snake order
 // (kernel_fwd_persistent_sm90.hpp), so the work between two tiles overlaps instead of running alone. Used for
 // sliding windows, whose tiles nearly all cost the same.
