@@ -10,7 +10,7 @@
 // What carries from tile to tile (the steps themselves are BwdKernelSm90's):
 //   * the Q / dO pipeline states, so the next tile's first query blocks load under the current tile's last
 //     steps and its store;
-//   * the tiles themselves: the producer works each one out and hands it to the consumers (tile_full / empty);
+//   * the tiles themselves: the producer works each one out and hands it to the consumers (tile_ring_sm90.hpp);
 //   * K / V: one buffer, loaded again (barrier_kv phase = tile parity) once both consumer warpgroups signal
 //     kv_empty after their last GEMM of the tile, from L2 (prefetched a few steps earlier, when the producer
 //     has issued the tile's last query blocks), so the load runs under the dK / dV store;
@@ -31,6 +31,7 @@
 #include "../common/tile_order.hpp"
 #include "../common/trace.hpp"
 #include "kernel_bwd_sm90.hpp"
+#include "tile_ring_sm90.hpp"
 #include "utils_sm90.hpp"
 
 namespace flash4 {
@@ -55,12 +56,7 @@ struct BwdPersistentKernelSm90 {
 
   struct SharedStorage : Traits::SharedStorage {
     alignas(16) cutlass::arch::ClusterBarrier kv_empty;  // both consumer warpgroups are done with K and V
-    // The producer works out each tile (launch order, sequence) and hands it to the consumers in a ring of two, a
-    // few steps before they start it: worked out by the consumers, it sat between one tile's store and the next
-    // tile's first GEMM (~1.3k cycles a tile in session 12's traces).
-    alignas(16) cutlass::arch::ClusterBarrier tile_full[2];
-    alignas(16) cutlass::arch::ClusterBarrier tile_empty[2];  // one arrival per consumer warp
-    PublishedTile tiles[2];
+    TileRing<PublishedTile, Traits::kNumMmaThreads / 32> tile_ring;
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= 227 * 1024, "the persistent tile does not fit in shared memory");
@@ -181,10 +177,7 @@ struct BwdPersistentKernelSm90 {
     if (warp_idx == 0 && cute::elect_one_sync()) {
       smem.barrier_kv.init(/*arrive_count=*/1);
       smem.kv_empty.init(/*arrive_count=*/Traits::kNumMmaWarpGroups);
-      for (int i = 0; i < 2; ++i) {
-        smem.tile_full[i].init(/*arrive_count=*/1);
-        smem.tile_empty[i].init(/*arrive_count=*/Traits::kNumMmaThreads / 32);
-      }
+      smem.tile_ring.init();
     }
     typename Traits::PipelineQdO pipeline = Base::make_pipeline(smem, warp_group);
     __syncthreads();
@@ -195,10 +188,8 @@ struct BwdPersistentKernelSm90 {
       if (warp == 0 && threadIdx.x == 0) {
         auto state = cutlass::make_producer_start_state<typename Traits::PipelineQdO>();
         auto publish = [&](int r, PublishedTile const& tile) {
-          const int slot = r & 1;
-          if (r >= 2) smem.tile_empty[slot].wait(((r >> 1) - 1) & 1);
-          smem.tiles[slot] = tile;
-          smem.tile_full[slot].arrive();
+          smem.tile_ring.slot(r) = tile;
+          smem.tile_ring.commit(r);
         };
         int rounds = 0;
         for_each_tile(params, [&](Tile const& t, int linear, int r) {
@@ -237,11 +228,7 @@ struct BwdPersistentKernelSm90 {
     // so it is derived again inside each.
 #pragma unroll 1
     for (int r = 0;; ++r) {
-      const int slot = r & 1;
-      smem.tile_full[slot].wait((r >> 1) & 1);
-      const PublishedTile pub = smem.tiles[slot];
-      __syncwarp();  // the warp's reads are done before its arrival frees the slot
-      if (thread_idx % 32 == 0) smem.tile_empty[slot].arrive();
+      const PublishedTile pub = smem.tile_ring.take(r, thread_idx);
       const int linear = pub.linear;
       if (linear < 0) break;
       const int tidx = opaque_int(thread_idx);

@@ -11,7 +11,7 @@
 //     end of their main loop, so the load runs under the epilogue;
 //   * O: a buffer of its own (not Q's), left to its TMA store while the next tile runs;
 //   * the ping-pong barrier (see MainloopFwdSm90::mma, first_mma);
-//   * the tiles themselves: the producer works each one out and hands it to the consumers (tile_full / empty).
+//   * the tiles themselves: the producer works each one out and hands it to the consumers (tile_ring_sm90.hpp).
 // Tiles go to CTAs in a static snake order (snake_tile, tile_order.hpp).
 #pragma once
 
@@ -27,6 +27,7 @@
 #include "epilogue_fwd_sm90.hpp"
 #include "kernel_fwd_sm90.hpp"  // tail_blocks
 #include "mainloop_fwd_sm90.hpp"
+#include "tile_ring_sm90.hpp"
 
 namespace flash4 {
 
@@ -51,12 +52,7 @@ struct FwdPersistentKernelSm90 {
   struct SharedStorage : Traits::SharedStorage {
     alignas(1024) cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutO>> o;
     alignas(16) cutlass::arch::ClusterBarrier q_empty;  // both consumer warpgroups are done with Q
-    // The producer works out each tile (launch order, sequence, key range) and hands it over in a ring of two, a
-    // few steps before the consumers start it: worked out by the consumers, it sat between one tile's epilogue and
-    // the next tile's first GEMM (~1.1k cycles a tile in session 12's traces).
-    alignas(16) cutlass::arch::ClusterBarrier tile_full[2];
-    alignas(16) cutlass::arch::ClusterBarrier tile_empty[2];  // one arrival per consumer warp
-    PublishedTile tiles[2];
+    TileRing<PublishedTile, Traits::kNumMmaThreads / 32> tile_ring;  // tiles with their sequence and key range
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= 227 * 1024, "the persistent tile does not fit in shared memory");
@@ -124,10 +120,7 @@ struct FwdPersistentKernelSm90 {
       Epilogue::prefetch_descriptors(params.epilogue);
       smem.barrier_q.init(/*arrive_count=*/1);
       smem.q_empty.init(/*arrive_count=*/Traits::kNumMmaWarpGroups);
-      for (int i = 0; i < 2; ++i) {
-        smem.tile_full[i].init(/*arrive_count=*/1);
-        smem.tile_empty[i].init(/*arrive_count=*/Traits::kNumMmaThreads / 32);
-      }
+      smem.tile_ring.init();
     }
     auto [pipeline_k, pipeline_v] = Mainloop::make_pipelines(smem, warp_group);
     __syncthreads();
@@ -139,16 +132,16 @@ struct FwdPersistentKernelSm90 {
       int q_loads = 0;  // Q loads issued so far: the consumers' q_empty phases to wait for
       for (int r = 0;; ++r) {
         const int linear = tile_of_round(params, r);
-        const int slot = r & 1;
-        if (r >= 2) smem.tile_empty[slot].wait(((r >> 1) - 1) & 1);
+        // The tile is worked out only once the slot is free (before it, the 24-register producer spilled 108 B).
+        PublishedTile& slot = smem.tile_ring.slot(r);
         if (linear < 0) {
-          smem.tiles[slot].linear = -1;
-          smem.tile_full[slot].arrive();
+          slot.linear = -1;
+          smem.tile_ring.commit(r);
           break;
         }
         const Tile t = tile_at_linear(params, linear);
-        smem.tiles[slot] = {linear, t.m_block, t.bidh, t.seq.batch, t.n_block_min, t.n_block_max};
-        smem.tile_full[slot].arrive();
+        slot = {linear, t.m_block, t.bidh, t.seq.batch, t.n_block_min, t.n_block_max};
+        smem.tile_ring.commit(r);
         if (!in_sequence(t) || !any_key(t)) continue;
         const int done = q_loads;
         auto before_q = [&] {
@@ -167,11 +160,7 @@ struct FwdPersistentKernelSm90 {
     typename Traits::PipelineState read;
     int q_loads = 0;
     for (int r = 0;; ++r) {
-      const int slot = r & 1;
-      smem.tile_full[slot].wait((r >> 1) & 1);
-      const PublishedTile pub = smem.tiles[slot];
-      __syncwarp();  // the warp's reads are done before its arrival frees the slot
-      if (thread_idx % 32 == 0) smem.tile_empty[slot].arrive();
+      const PublishedTile pub = smem.tile_ring.take(r, thread_idx);
       const int linear = pub.linear;
       if (linear < 0) break;
       const Tile t{pub.m_block, pub.bidh, Mainloop::seq_info(params.mainloop, pub.batch), pub.n_block_min,
