@@ -29,7 +29,8 @@ void run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   using OneTile = BwdKernelSm90<Traits, kCausal, kLocal>;
   // Sliding windows of fixed-length batches at head dims <= 128, when the window is at most half the sequence
   // (nearly every key tile then costs the same), take the persistent kernel, as the forward does: its static
-  // schedule would not balance causal's unequal tiles. Measured at head dim 128 (docs/perf_notes.md, session 12).
+  // schedule would not balance causal's unequal tiles. Timed at head dim 128 (docs/perf_notes.md, session 12), tested
+  // at 64, 96 and 128 (session 13).
   bool persistent = false;
   if constexpr (kLocal && !Traits::kWide) {
     persistent = p.cu_seqlens_q == nullptr && p.seqused_q == nullptr && p.seqused_k == nullptr &&
