@@ -9,7 +9,8 @@
 # Env: AB_ROUNDS (default 3), AB_TEST_TIMEOUT / AB_BENCH_TIMEOUT (seconds, default 300 / 150), AB_BENCH_ARGS (extra bench_varlen.py args, default --no-probe --rounds 1),
 #      AB_TEST (a pytest command line run in every variant but the first after the build, e.g.
 #      "tests/test_features_gpu.py -k window"), AB_APPEND_FLAGS (NVCC_APPEND_FLAGS of every build),
-#      FLASH_ATTN4_HDIMS (default 128), FLASH_ATTN4_DTYPES (default bf16), MAX_JOBS (split between variants).
+#      FLASH_ATTN4_HDIMS (default 128), FLASH_ATTN4_DTYPES (default bf16), MAX_JOBS (split between variants),
+#      AB_BUILD=0 (reuse the variants an earlier call in the same machine session built in /tmp/ab).
 # Logs: $OUT/ab_<variant>.log (build, bench), ab_<variant>_tests.log, $OUT/ab_runs.jsonl (one line per process and case).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -28,12 +29,13 @@ for spec in "$@"; do
   name=${spec%%=*}
   patches=${spec#*=}
   dir=/tmp/ab/$name
+  names+=("$name")
+  [[ ${AB_BUILD:-1} == 0 ]] && continue
   rm -rf "$dir" && mkdir -p "$dir"
   tar --exclude=./build --exclude=./.git --exclude='*.so' --exclude=./csrc/instantiations -cf - . | tar -xf - -C "$dir"
   for p in ${patches//,/ }; do
     (cd "$dir" && patch -p1 -s <"$OLDPWD/$p") || { echo "$name: $p does not apply" >&2; exit 2; }
   done
-  names+=("$name")
   (cd "$dir" && NVCC_APPEND_FLAGS="${AB_APPEND_FLAGS:-}" MAX_JOBS=$jobs_each $PY setup.py build_ext --inplace \
     >"$LOG/ab_$name.log" 2>&1; echo "build rc $?" >>"$LOG/ab_$name.log") &
 done
