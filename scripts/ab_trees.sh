@@ -10,7 +10,10 @@
 #      AB_TEST (a pytest command line run in every variant but the first after the build, e.g.
 #      "tests/test_features_gpu.py -k window"), AB_APPEND_FLAGS (NVCC_APPEND_FLAGS of every build),
 #      FLASH_ATTN4_HDIMS (default 128), FLASH_ATTN4_DTYPES (default bf16), MAX_JOBS (split between variants),
-#      AB_BUILD=0 (reuse the variants an earlier call in the same machine session built in /tmp/ab).
+#      AB_BUILD=0 (reuse the variants an earlier call in the same machine session built in /tmp/ab),
+#      AB_TRACE=1 (trace builds: also set AB_APPEND_FLAGS=-DFLASH4_TRACE, and AB_ROUNDS=0 since trace builds are
+#      not for timing; runs tools/trace_tiles.py in every variant after the tests: $OUT/trace_<variant>.json, its
+#      tables appended to ab_<variant>.log).
 # Logs: $OUT/ab_<variant>.log (build, bench), ab_<variant>_tests.log, $OUT/ab_runs.jsonl (one line per process and case).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -51,6 +54,13 @@ if [[ -n ${AB_TEST:-} ]]; then
     grep -E "^(FAILED|ERROR)|passed|failed" "$LOG/ab_${name}_tests.log" | tail -n 12 | sed "s/^/$name tests: /"
   done
 fi
+if [[ ${AB_TRACE:-0} == 1 ]]; then
+  for name in "${names[@]}"; do
+    (cd /tmp/ab/"$name" && timeout "${AB_BENCH_TIMEOUT:-150}" $PY tools/trace_tiles.py --out "$LOG/trace_$name.json") \
+      >>"$LOG/ab_$name.log" 2>&1 || echo "$name: trace failed"
+    grep -E "^(fwd|bwd) .*SM span" "$LOG/ab_$name.log" | sed "s/^/$name trace: /"
+  done
+fi
 for ((r = 0; r < ${AB_ROUNDS:-3}; ++r)); do
   order=("${names[@]}")
   ((r % 2)) && order=($(printf '%s\n' "${names[@]}" | tac))
@@ -68,6 +78,7 @@ for row in json.load(open(path)):
 EOF
   done
 done
+[[ -f $LOG/ab_runs.jsonl ]] || exit 0  # AB_ROUNDS=0: nothing timed
 $PY - "$LOG/ab_runs.jsonl" <<'EOF'
 import collections, json, statistics, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
