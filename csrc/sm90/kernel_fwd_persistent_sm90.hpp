@@ -8,7 +8,7 @@
 //   * the K / V pipelines' states (producer and consumers), so loads of the next tile start while the
 //     consumers finish the current one;
 //   * Q: one buffer; the producer loads the next tile's Q once both consumer warpgroups signal q_empty at the
-//     end of their main loop, so the load runs under the epilogue;
+//     end of their main loop, so the load runs under the last P V and the epilogue;
 //   * O: a buffer of its own (not Q's), left to its TMA store while the next tile runs;
 //   * the ping-pong barrier (see MainloopFwdSm90::mma, first_mma);
 //   * the tiles themselves: the producer works each one out and hands it to the consumers (tile_ring_sm90.hpp).
@@ -178,11 +178,14 @@ struct FwdPersistentKernelSm90 {
       cute::array<float, kRows> lse;
       if (any_key(t)) {
         const auto bm = Mainloop::block_mask(params.mainloop, t.seq);
+        // Once every Q K^T of this warpgroup has retired, the producer may load the next tile's Q, which then
+        // loads under this tile's last P V and epilogue instead of after them (~0.4k cycles a window tile,
+        // docs/perf_notes.md session 15).
         mainloop.mma(params.mainloop, pipeline_k, pipeline_v, smem, tOrO, softmax, lse, params.lse_scale,
                      thread_idx, t.m_block, bm, t.n_block_min, t.n_block_max, read, q_loads & 1, q_loads == 0,
-                     trace);
-        // Every Q K^T of this warpgroup has retired: the producer may load the next tile's Q.
-        if (thread_idx % 128 == 0) smem.q_empty.arrive();
+                     trace, [&] {
+                       if (thread_idx % 128 == 0) smem.q_empty.arrive();
+                     });
         ++q_loads;
       } else {
         clear(tOrO);  // no key visible to any row of this tile: out = 0, lse = -inf

@@ -213,13 +213,14 @@ struct MainloopFwdSm90 {
   // normalized output in tOrO and the row LSEs in `lse`. thread_idx counts consumer threads (0..255).
   // Requires n_block_max > n_block_min. `read` is the K / V pipelines' consumer state, left at the next tile's
   // first stage; q_phase the phase of barrier_q this tile's Q completes. first_mma: the CTA's first call (a
-  // persistent CTA's later calls find the ping-pong barrier already armed, see below).
-  template <class SharedStorage, class FragO, class Softmax, class LSE>
+  // persistent CTA's later calls find the ping-pong barrier already armed, see below). q_done() runs once every
+  // Q K^T of this warpgroup has retired, before the last P V (a persistent CTA frees Q for the next tile there).
+  template <class SharedStorage, class FragO, class Softmax, class LSE, class QDone>
   CUTE_DEVICE void mma(Params const& params, typename Traits::PipelineK& pipeline_k,
                        typename Traits::PipelineV& pipeline_v, SharedStorage& smem, FragO& tOrO, Softmax& softmax,
                        LSE& lse, float lse_scale, int thread_idx, int m_block, Mask const& bm, int n_block_min,
                        int n_block_max, typename Traits::PipelineState& read, int q_phase, bool first_mma,
-                       TraceRow const& trace) const {
+                       TraceRow const& trace, QDone&& q_done) const {
     typename Traits::TiledMmaQK tiled_mma_qk;
     typename Traits::TiledMmaPV tiled_mma_pv;
     auto thr_mma_qk = tiled_mma_qk.get_thread_slice(thread_idx);
@@ -346,6 +347,7 @@ struct MainloopFwdSm90 {
 
     // Tail: the last P V, with the row-sum reduction overlapped.
     if (thread_idx == 0) trace.stamp(4);
+    q_done();
     if constexpr (kRescaleBeforeGemm) softmax.rescale(tOrO_rc, o_scale);
     pipeline_v.consumer_wait(read);
     warpgroup_gemm<false, -1>(tiled_mma_pv, tOrP, tOrV(_, _, _, read.index()), tOrO);
