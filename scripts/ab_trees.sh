@@ -46,17 +46,21 @@ t0=$(date +%s)
 wait
 echo "builds: $(($(date +%s) - t0))s"
 for name in "${names[@]}"; do tail -n 1 "$LOG/ab_$name.log" | sed "s/^/$name: /"; done
+# Every variant's processes import its own build: its folder goes first on PYTHONPATH (a PYTHONPATH that named
+# another checkout made session 15's first call time the unbuilt package's PyTorch reference), and the bench's
+# "flash_attn4 from ..." line is checked.
+in_variant() { (cd /tmp/ab/"$1" && shift && PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} "$@"); }
 if [[ -n ${AB_TEST:-} ]]; then
   for name in "${names[@]:1}"; do
     # shellcheck disable=SC2086  # AB_TEST is a list of words
-    (cd /tmp/ab/"$name" && timeout "${AB_TEST_TIMEOUT:-300}" $PY -m pytest -q --tb=short $AB_TEST) \
+    in_variant "$name" timeout "${AB_TEST_TIMEOUT:-300}" $PY -m pytest -q --tb=short $AB_TEST \
       >"$LOG/ab_${name}_tests.log" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed" "$LOG/ab_${name}_tests.log" | tail -n 12 | sed "s/^/$name tests: /"
   done
 fi
 if [[ ${AB_TRACE:-0} == 1 ]]; then
   for name in "${names[@]}"; do
-    (cd /tmp/ab/"$name" && timeout "${AB_BENCH_TIMEOUT:-150}" $PY tools/trace_tiles.py --out "$LOG/trace_$name.json") \
+    in_variant "$name" timeout "${AB_BENCH_TIMEOUT:-150}" $PY tools/trace_tiles.py --out "$LOG/trace_$name.json" \
       >>"$LOG/ab_$name.log" 2>&1 || echo "$name: trace failed"
     grep -E "^(fwd|bwd) .*SM span" "$LOG/ab_$name.log" | sed "s/^/$name trace: /"
   done
@@ -66,8 +70,12 @@ for ((r = 0; r < ${AB_ROUNDS:-3}; ++r)); do
   ((r % 2)) && order=($(printf '%s\n' "${names[@]}" | tac))
   for name in "${order[@]}"; do
     # shellcheck disable=SC2086
-    (cd /tmp/ab/"$name" && timeout "${AB_BENCH_TIMEOUT:-150}" $PY benchmarks/bench_varlen.py --window-only ${AB_BENCH_ARGS:---no-probe --rounds 1} \
-      --out "/tmp/ab/$name.json" >>"$LOG/ab_$name.log" 2>&1) || echo "$name: bench failed (round $r)"
+    in_variant "$name" timeout "${AB_BENCH_TIMEOUT:-150}" $PY benchmarks/bench_varlen.py --window-only \
+      ${AB_BENCH_ARGS:---no-probe --rounds 1} --out "/tmp/ab/$name.json" >"/tmp/ab/$name.out" 2>&1 ||
+      echo "$name: bench failed (round $r)"
+    cat "/tmp/ab/$name.out" >>"$LOG/ab_$name.log"
+    grep -q "^flash_attn4 from /tmp/ab/$name/" "/tmp/ab/$name.out" ||
+      { echo "$name: the bench did not import /tmp/ab/$name (see $LOG/ab_$name.log)" >&2; exit 1; }
     $PY - "$name" "$r" "/tmp/ab/$name.json" >>"$LOG/ab_runs.jsonl" <<'EOF'
 import json, sys
 name, rnd, path = sys.argv[1:]

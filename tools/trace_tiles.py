@@ -13,7 +13,9 @@ the next one's start, and each CTA's phases:
             done (prologue) -> first loop step -> loop done -> last P V and normalization (tail) -> epilogue
   backward: start -> consumer registers -> K and V ready -> first query block done -> loop done -> dK / dV
             stored
-and on the side the producer's start and the window's masked left-edge step.
+and on the side the producer's start, the window's masked left-edge step and, in the forward, warpgroup 1's
+leader: how far it trails thread 0 at Q, the first K, the loop's end and the epilogue's end, and its own
+prologue, tail and epilogue (the phases above are thread 0's, warpgroup 0's).
 
 Cases: hdim 128, 16 heads, bf16, one sequence of --seqlen (32k), causal against a causal --window (4096)
 window, the shapes of benchmarks/bench_varlen.py. Prints a table per case and writes the per-SM sums as JSON.
@@ -48,6 +50,14 @@ FWD_SIDE = [
     ("producer: start->regs", 1, 8),
     ("producer: ->Q, K issued", 8, 9),
     ("masked left-edge step", 12, 13),
+    # Warpgroup 1 (thread 128): when it reaches thread 0's events (lag), and its own phases.
+    ("wg1 lag: Q ready", 11, 19),
+    ("wg1 lag: first K ready", 2, 15),
+    ("wg1 lag: loop done", 4, 17),
+    ("wg1 lag: epilogue done", 6, 18),
+    ("wg1: prologue", 15, 16),
+    ("wg1: tail", 17, 7),
+    ("wg1: epilogue", 7, 18),
 ]
 BWD_PHASES = [
     ("start->consumer regs", 1, 10),
@@ -150,7 +160,7 @@ def main() -> int:
     results = {}
     for name, kw in cases.items():
         rows = run_traced(lambda kw=kw: flash_attn4.attn(q, k, v, **kw), slots, max_ctas)
-        results[f"fwd {name}"] = analyse(rows, FWD_PHASES, FWD_SIDE, (5, 6, 7))
+        results[f"fwd {name}"] = analyse(rows, FWD_PHASES, FWD_SIDE, (5, 6, 7, 18))
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         out = flash_attn4.attn(*leaves, **kw)
         dout = torch.randn_like(out)

@@ -10,7 +10,7 @@
 
 namespace flash4 {
 
-constexpr int kTraceSlots = 16;
+constexpr int kTraceSlots = 24;
 
 // Slot 0 of a row: the SM (high 32 bits) and a kernel-defined count (low 32 bits: blocks the tile visits).
 CUTE_DEVICE void trace_info(unsigned long long* trace, int linear, uint32_t count) {

@@ -166,7 +166,8 @@ struct FwdPersistentKernelSm90 {
       const Tile t{pub.m_block, pub.bidh, Mainloop::seq_info(params.mainloop, pub.batch), pub.n_block_min,
                    pub.n_block_max};
       if (!in_sequence(t)) continue;
-      // Trace builds: one row per tile (slot 1 its start, 5 / 7 the warpgroups' main loops done, 6 epilogue).
+      // Trace builds: one row per tile (slot 1 its start, 5 / 7 the warpgroups' main loops done, 6 / 18 their
+      // epilogues done; the rest in MainloopFwdSm90::mma).
       const TraceRow trace{params.trace, linear};
       if (thread_idx == 0) {
         trace_info(params.trace, linear, uint32_t(cute::max(0, t.n_block_max - t.n_block_min)));
@@ -196,6 +197,7 @@ struct FwdPersistentKernelSm90 {
       epilogue.template store</*kAsync=*/true>(params.epilogue, smem, tOrO, lse, thread_idx, t.m_block, t.bidh,
                                                t.seq);
       if (thread_idx == 0) trace.stamp(6);
+      if (thread_idx == 128) trace.stamp(18);
     }
     if (thread_idx == 0) tma_store_wait<0>();  // O's last store must have read shared memory
   }

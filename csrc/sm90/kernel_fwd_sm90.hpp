@@ -142,6 +142,7 @@ struct FwdKernelSm90 {
       if (thread_idx == 128) trace.stamp(7);
       epilogue.store(params.epilogue, smem, tOrO, lse, thread_idx, m_block, bidh, seq);
       if (thread_idx == 0) trace.stamp(6);
+      if (thread_idx == 128) trace.stamp(18);
     }
   }
 

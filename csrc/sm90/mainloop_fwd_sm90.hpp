@@ -271,12 +271,14 @@ struct MainloopFwdSm90 {
 
     smem.barrier_q.wait(q_phase);
     if (thread_idx == 0) trace.stamp(11);
+    if (thread_idx == 128) trace.stamp(19);  // slots 15-19: warpgroup 1's leader, as 2, 3, 4, 6 and 11 for thread 0
     // K and V of one block share a stage index.
     int n_block = n_block_max - 1;
 
     // Prologue: the last key block always takes the key-length mask (and the causal one).
     pipeline_k.consumer_wait(read);
     if (thread_idx == 0) trace.stamp(2);
+    if (thread_idx == 128) trace.stamp(15);
     warpgroup_gemm</*zero_init=*/true, /*wait=*/0>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
     release(pipeline_k, read);
     softcap();
@@ -284,6 +286,7 @@ struct MainloopFwdSm90 {
     o_scale = softmax.template update</*first=*/true>(tSrS_rc);
     convert_fragment(tSrS, tOrP_acc);
     if (thread_idx == 0) trace.stamp(3);
+    if (thread_idx == 128) trace.stamp(16);
 
     auto step = [&](int n, auto masked) {
       auto read_v = read;  // V of block n + 1
@@ -347,6 +350,7 @@ struct MainloopFwdSm90 {
 
     // Tail: the last P V, with the row-sum reduction overlapped.
     if (thread_idx == 0) trace.stamp(4);
+    if (thread_idx == 128) trace.stamp(17);
     q_done();
     if constexpr (kRescaleBeforeGemm) softmax.rescale(tOrO_rc, o_scale);
     pipeline_v.consumer_wait(read);
