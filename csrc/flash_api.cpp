@@ -381,5 +381,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compiled_kernels", &compiled_kernels, "Names of the kernel instantiations in this build");
   m.def("set_trace", &set_trace, "Per-CTA profiling buffer for builds with -DFLASH4_TRACE (None: off)",
         py::arg("buf") = py::none());
-  m.def("trace_slots", [] { return flash4::kTraceSlots; }, "int64 words per CTA in the trace buffer (common/trace.hpp)");
+  m.def("trace_slots", [] { return flash4::kTraceSlots; },
+        "int64 words per CTA in the trace buffer (common/trace.hpp)");
 }
