@@ -2,7 +2,9 @@
 forward and backward): per rep an L2 flush (256 MB zero_), a start event, the call, an end event, no sync
 between reps (as triton.testing.do_bench). Under torch.profiler: each rep's kernels (between two flushes),
 their span, the idle time between the flush and the rep's first kernel, against the event time of the same
-rep; then the same loop without the profiler (event times only). Session 16, call 4 (docs/perf_notes.md).
+rep, the GPU time from its last kernel to the end of the next rep's flush, and the CPU time a rep takes to
+enqueue (a CPU slower than the GPU leaves the GPU idle between reps); the same loop without the profiler
+first. Session 16, call 4 (docs/perf_notes.md; the CPU time and the gap to the next flush came after it).
 
     python3 docs/wip/bench_timeline.py out.json     # on the GPU machine, with flash_attn4 built
 """
@@ -10,6 +12,7 @@ rep; then the same loop without the profiler (event times only). Session 16, cal
 import json
 import statistics
 import sys
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -45,18 +48,21 @@ for direction in ("fwd", "bwd"):
             ev = [
                 (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)
             ]
+            cpu = []
             for a, b in ev:
+                t0 = time.perf_counter()
                 cache.zero_()
                 a.record()
                 call()
                 b.record()
+                cpu.append((time.perf_counter() - t0) * 1e6)
             torch.cuda.synchronize()
-            return [a.elapsed_time(b) * 1000 for a, b in ev]
+            return [a.elapsed_time(b) * 1000 for a, b in ev], cpu
 
         loop(5)
-        plain = loop(n)
+        plain, cpu_plain = loop(n)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            evs = loop(n)
+            evs, cpu_prof = loop(n)
         kern = sorted(
             (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
             key=lambda e: e.time_range.start,
@@ -72,13 +78,17 @@ for direction in ("fwd", "bwd"):
         if cur:
             reps.append(cur)
         rows = []
-        for r in reps:
+        for i, r in enumerate(reps):
             ks = r["k"]
+            # GPU idle from the rep's last kernel to the next rep's flush: the end event sits there, and a CPU
+            # slower than the GPU shows up as this gap.
+            nxt = reps[i + 1]["flush_end"] if i + 1 < len(reps) else None
             rows.append(
                 {
                     "span": ks[-1].time_range.end - ks[0].time_range.start,
                     "sum": sum(x.time_range.elapsed_us() for x in ks),
                     "idle_after_flush": ks[0].time_range.start - r["flush_end"],
+                    "to_next_flush_end": None if nxt is None else nxt - ks[-1].time_range.end,
                     "n": len(ks),
                 }
             )
@@ -94,6 +104,10 @@ for direction in ("fwd", "bwd"):
             "span_us": med(r["span"] for r in rows),
             "sum_us": med(r["sum"] for r in rows),
             "idle_after_flush_us": med(r["idle_after_flush"] for r in rows),
+            # includes the next flush itself (~55 us for 256 MB)
+            "last_kernel_to_next_flush_end_us": med(r["to_next_flush_end"] for r in rows[:-1]),
+            "cpu_us_per_rep_plain": med(cpu_plain),
+            "cpu_us_per_rep_profiled": med(cpu_prof),
             "kernels": {k2: med(v2) for k2, v2 in names.items()},
         }
         res[f"{direction} {name}"] = out
