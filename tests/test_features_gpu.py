@@ -128,12 +128,17 @@ MANY_TILE_CASES = {
     "two_sided": ((1, 3001, 3001), ((37, 5), False)),
     "q_longer": ((2, 3000, 700), ((50, 0), False)),
     "k_longer": ((1, 900, 4000), ((300, 20), False)),
+    # Windows aligned to the 128-key blocks, where a tile's only masked blocks are its first and last and each
+    # warpgroup sees only half of one of them (docs/wip/fwd_edge_first.patch merges those halves); the second
+    # with 128 more keys than queries, a padded last query tile and a partial last key block.
+    "aligned": ((2, 2048, 2048), ((512, 0), True)),
+    "aligned_ragged": ((1, 2000, 2128), ((384, 0), False)),
 }
 
 
 @pytest.mark.parametrize("softcap", [0.0, 5.0], ids=["nocap", "cap5"])
 @pytest.mark.parametrize("case", list(MANY_TILE_CASES))
-@pytest.mark.parametrize("hdim", [h for h in HDIMS if h <= 128] or HDIMS[:1])
+@pytest.mark.parametrize("hdim", [h for h in BWD_HDIMS if h <= 128] or HDIMS[:1])
 def test_window_forward_many_tiles(hdim, case, softcap):
     (batch, sq, sk), ((left, right), causal) = MANY_TILE_CASES[case]
     torch.manual_seed(sq + sk + hdim)
@@ -173,7 +178,7 @@ def test_window_backward_many_tiles(hdim, case, deterministic):
     dout = torch.randn_like(q)
     kw = {"causal": causal, "window_size": (left, right), "softmax_scale": hdim**-0.5}
     what = f"d{hdim} {case} deterministic={deterministic}"
-    # Poison the allocator's cached blocks that the gradients will most likely reuse: every row must be written.
+    # Poison the allocator's cached blocks the gradients will most likely reuse: every row must be written.
     poison = [torch.full_like(t, float("nan")) for t in (q, k, v)]
     del poison
     _, ours = _grads(lambda a, b, c: attn(a, b, c, deterministic=deterministic, **kw), (q, k, v), dout)
@@ -194,7 +199,13 @@ def test_window_varlen_forward_many_tiles():
     q = torch.randn(sum(lens_q), 16, hdim, dtype=DTYPES[0], device=DEVICE)
     k, v = (torch.randn(sum(lens_k), 4, hdim, dtype=DTYPES[0], device=DEVICE) for _ in range(2))
     cu_q, cu_k = _cu(lens_q), _cu(lens_k)
-    for kw in ({"window_size": (200, 0), "causal": True}, {"window_size": (64, 64), "softcap": 3.0}):
+    # (256, 0): the 900 x 900 sequence has tiles aligned to the key blocks, in the one-CTA kernel.
+    windows = (
+        {"window_size": (200, 0), "causal": True},
+        {"window_size": (64, 64), "softcap": 3.0},
+        {"window_size": (256, 0)},
+    )
+    for kw in windows:
         kw = {**kw, "softmax_scale": hdim**-0.5}
         out, lse = attn_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), return_lse=True, **kw)
         truth, truth_lse = attention_varlen_ref(q.float(), k.float(), v.float(), cu_q, cu_k, **kw)
