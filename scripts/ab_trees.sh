@@ -45,10 +45,10 @@ done
 t0=$(date +%s)
 wait
 echo "builds: $(($(date +%s) - t0))s"
-for name in "${names[@]}"; do tail -n 1 "$LOG/ab_$name.log" | sed "s/^/$name: /"; done
 # A variant that did not build would import without its extension and time the PyTorch reference (session 17's
 # call 4 spent its rounds that way, ~1 s a call): stop here, with the first compiler error.
 for name in "${names[@]}"; do
+  tail -n 1 "$LOG/ab_$name.log" | sed "s/^/$name: /"
   if [[ ${AB_BUILD:-1} != 0 ]] && ! tail -n 1 "$LOG/ab_$name.log" | grep -q "^build rc 0$"; then
     grep -m 3 -E "error|FAILED" "$LOG/ab_$name.log" | cut -c1-300 | sed "s/^/$name: /" >&2
     echo "$name: build failed, nothing timed (see $LOG/ab_$name.log)" >&2
