@@ -61,7 +61,7 @@ def window_rows(args) -> list[dict]:
     if args.no_probe:
         del cases["probe"]
     rows = []
-    for bwd in (False, True):
+    for bwd in {"fwd": (False,), "bwd": (True,), "both": (False, True)}[args.direction]:
         # The cases take turns (order reversed every round) and each keeps its median over the rounds, so
         # that clock and temperature drift during the run do not favour whichever ran first.
         ms: dict[str, list[float]] = {name: [] for name in cases}
@@ -187,6 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="turns of the window cases (order alternates)")
     ap.add_argument("--window-only", action="store_true", help="only the window rows (A/B runs)")
     ap.add_argument("--no-probe", action="store_true", help="skip the whole-triangle window row")
+    ap.add_argument(
+        "--direction",
+        choices=("fwd", "bwd", "both"),
+        default="both",
+        help="window rows of one direction only (A/B runs of a forward- or backward-only change)",
+    )
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot-only", type=Path, help="redraw the PNG of an existing JSON and exit")
     args = ap.parse_args(argv)
