@@ -6,7 +6,7 @@
 #
 #   bash scripts/ab_trees.sh main= skip=docs/wip/bwd_skip_idle_warpgroup.patch both=a.patch,b.patch
 #
-# Env: AB_ROUNDS (default 3), AB_TEST_TIMEOUT / AB_BENCH_TIMEOUT (seconds, default 300 / 150), AB_BENCH_ARGS (extra bench_varlen.py args, default --no-probe --rounds 1),
+# Env: AB_ROUNDS (default 3), AB_TEST_TIMEOUT / AB_BENCH_TIMEOUT (seconds, default 300 / 150), AB_BENCH_ARGS (extra bench_varlen.py args, default --no-probe --rounds 1; add --direction fwd for a forward-only change),
 #      AB_TEST (a pytest command line run in every variant but the first after the build, e.g.
 #      "tests/test_features_gpu.py -k window"), AB_APPEND_FLAGS (NVCC_APPEND_FLAGS of every build),
 #      FLASH_ATTN4_HDIMS (default 128), FLASH_ATTN4_DTYPES (default bf16), MAX_JOBS (split between variants),
