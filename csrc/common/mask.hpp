@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "block_info.hpp"
+#include "fast_math.hpp"
 
 namespace flash4 {
 
@@ -28,14 +29,6 @@ __device__ __forceinline__ void apply_mask(TensorS& s, TensorC const& coord, int
       if (col >= col_hi || (BM::kLocalMask && col < col_lo)) s(r, c) = -INFINITY;
     }
   }
-}
-
-// tanh.approx.f32: one MUFU op, max relative error about 2^-11; the capped scores are then rounded far
-// more coarsely by the 16-bit P anyway.
-__device__ __forceinline__ float tanh_approx(float x) {
-  float y;
-  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
 }
 
 // Softcap: s <- tanh(s * scale / cap) in place. The kernels then treat the result as a score whose softmax

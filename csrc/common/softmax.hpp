@@ -12,15 +12,9 @@
 
 #include <cmath>
 
-namespace flash4 {
+#include "fast_math.hpp"
 
-// ex2.approx has 2 ulp error (well under bf16/fp16 rounding) and is one MUFU op; exp2f() without
-// --use_fast_math is a multi-instruction sequence.
-__device__ __forceinline__ float exp2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
+namespace flash4 {
 
 template <int kThreadsPerRow>
 __device__ __forceinline__ float allreduce_max(float x) {

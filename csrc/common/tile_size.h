@@ -1,4 +1,6 @@
-// Tile sizes per (arch, head dim, causal), as small constexpr functions.
+// Tile sizes per (direction, arch, head dim, causal), as small constexpr functions: one table for both
+// directions and both kernel families, read by the launchers (launch/*.hpp), which instantiate the traits
+// with these values. docs/design.md, "Tile sizes", has the reasoning at length.
 //
 // sm90 forward: kBlockM = 128 rows of queries split over two consumer warpgroups (64 rows each: one
 // WGMMA M-atom), kBlockN keys per K/V stage. The constraints that pick kBlockN:
@@ -30,7 +32,7 @@ constexpr FwdTileSm90 fwd_tile_sm90(int head_dim, bool causal) {
 // sm80 forward (cp.async + mma.sync): kBlockM query rows over kWarps warps (16 rows per warp per slab),
 // kBlockN keys, two K and V buffers at hdim 64 / 128 (FwdTraitsSm80::kStages), one otherwise. Registers per
 // thread: O = kBlockM / (16 kWarps) * head_dim / 2 fp32, S = kBlockM / (16 kWarps) * kBlockN / 2, P half of S.
-// What chose each row (H200, forced sm80 path, against SDPA's FA2 backend in the same run; docs/perf_notes.md):
+// What chose each row (H200, forced sm80 path, against SDPA's FA2 backend in the same run):
 //   hdim <= 64: 128 x 64, 4 warps. FA2's 128 x 128 spills 148-184 bytes (S 128 + O 64 registers) and
 //     measured -33% non-causal; 128 x 64 runs 1.00-1.05x FA2 (seqlen 2k-8k, with two K / V buffers).
 //   hdim <= 128: 128 x 32, 4 warps. 128 x 64 over 4 warps spills 64-128 bytes (O 128 + S 64 + P 32); over 8
@@ -50,6 +52,39 @@ constexpr FwdTileSm80 fwd_tile_sm80(int head_dim) {
   return head_dim <= 64    ? FwdTileSm80{128, 64, 4}
          : head_dim <= 128 ? FwdTileSm80{128, 32, 4}
                            : FwdTileSm80{128, 64, 8};
+}
+
+// sm90 backward: kBlockN keys per CTA (dK and dV live in registers for the CTA's life), kBlockM queries per
+// step, kStages Q / dO stages (even: the dS buffer parity follows the stage index).
+//   hdim <= 128: 128 keys, 64 per consumer warpgroup (one WGMMA M-atom), dK + dV 64 x head_dim fp32 each per
+//     warpgroup (128 registers at hdim 128) beside S^T, dP^T and the dQ accumulator (BwdTraitsSm90).
+//   hdim > 128 (wide): a 64 x head_dim dK plus dV per warpgroup would be 192 / 256 registers, so the two
+//     warpgroups split dK and dV along head_dim and one CTA owns 64 keys (BwdWideTraitsSm90). Q / dO / K / V
+//     / P / dS at hdim 256 fill 160 KB of shared memory with two stages.
+struct BwdTileSm90 {
+  int block_m;
+  int block_n;
+  int stages;
+  bool wide;  // warpgroups split dK / dV along head_dim instead of along keys
+};
+
+constexpr BwdTileSm90 bwd_tile_sm90(int head_dim) {
+  return head_dim <= 128 ? BwdTileSm90{64, 128, 2, false} : BwdTileSm90{64, 64, 2, true};
+}
+
+// sm80 backward (FlashAttention-2's algorithm, 8 warps, keys as the GEMM rows; BwdTraitsSm80):
+//   hdim <= 128: 128 keys (16 a warp) x 64 queries a step. 128 queries at hdim 64 (FA2's tile) measured -2.5%
+//     (255 registers with a spill, twice the work between barriers with all 8 warps in lockstep).
+//   hdim > 128: the warps form two halves that split dK / dV's head-dim columns, so a CTA owns 64 keys; 32
+//     queries a step keep shared memory at 137 KB at hdim 256 (A100: 164 KB a CTA).
+struct BwdTileSm80 {
+  int block_m;
+  int block_n;
+  int warps;
+};
+
+constexpr BwdTileSm80 bwd_tile_sm80(int head_dim) {
+  return head_dim <= 128 ? BwdTileSm80{64, 128, 8} : BwdTileSm80{32, 64, 8};
 }
 
 }  // namespace flash4

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "../common/bwd_prepost.cuh"
+#include "../common/tile_size.h"
 #include "../dispatch.h"
 #include "../sm80/kernel_bwd_sm80.hpp"
 #include "../sm80/kernel_entry_sm80.hpp"
@@ -11,10 +12,16 @@
 
 namespace flash4 {
 
+// The traits of the tile bwd_tile_sm80 picks. (A local constexpr tile used as template arguments here, as the
+// forward's launcher does, crashes g++ 12 once the generic lambda below refers to the alias.)
+template <class Element, int kHeadDim>
+using BwdTraitsSm80Of = BwdTraitsSm80<Element, kHeadDim, bwd_tile_sm80(kHeadDim).block_m,
+                                      bwd_tile_sm80(kHeadDim).block_n, bwd_tile_sm80(kHeadDim).warps>;
+
 template <DType kDType, int kHeadDim, bool kCausal, bool kLocal>
 void run_bwd_sm80(const BwdParams& p, cudaStream_t stream) {
   using Element = CutlassElement<kDType>;
-  using Traits = BwdTraitsSm80<Element, kHeadDim>;
+  using Traits = BwdTraitsSm80Of<Element, kHeadDim>;
   bwd_preprocess_kernel<Element, kHeadDim><<<prepost_grid<kHeadDim>(p), kPrePostThreads, 0, stream>>>(p);
   check_cuda(cudaGetLastError(), "sm80 backward pre-pass launch");
   // Softcap is a kernel of its own (as in the forward), and lengths that are multiples of the tile

@@ -6,6 +6,7 @@
 #include <type_traits>
 
 #include "../common/bwd_prepost.cuh"
+#include "../common/tile_size.h"
 #include "../dispatch.h"
 #include "../sm90/bwd_postprocess_sm90.hpp"
 #include "../sm90/kernel_bwd_persistent_sm90.hpp"
@@ -18,9 +19,10 @@ namespace flash4 {
 template <DType kDType, int kHeadDim, bool kCausal, bool kLocal>
 void run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   using Element = CutlassElement<kDType>;
-  // Head dim <= 128: dK and dV split along keys across the warpgroups; above: along head_dim.
-  using Traits = std::conditional_t<(kHeadDim <= 128), BwdTraitsSm90<Element, kHeadDim, /*stages=*/2>,
-                                    BwdWideTraitsSm90<Element, kHeadDim, /*stages=*/2>>;
+  // Head dim <= 128: dK and dV split along keys across the warpgroups; above (wide): along head_dim.
+  constexpr BwdTileSm90 tile = bwd_tile_sm90(kHeadDim);
+  using Traits = std::conditional_t<tile.wide, BwdWideTraitsSm90<Element, kHeadDim, tile.block_m, tile.block_n, tile.stages>,
+                                    BwdTraitsSm90<Element, kHeadDim, tile.block_m, tile.block_n, tile.stages>>;
   if (p.seqlen_q_rounded % Traits::kBlockM != 0) {
     throw std::runtime_error("flash_attn4: seqlen_q_rounded must be a multiple of the backward's kBlockM");
   }
@@ -29,12 +31,11 @@ void run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   using OneTile = BwdKernelSm90<Traits, kCausal, kLocal>;
   // Sliding windows of fixed-length batches at head dims <= 128, when the window is at most half the sequence
   // (nearly every key tile then costs the same), take the persistent kernel, as the forward does: its static
-  // schedule would not balance causal's unequal tiles. Timed at head dim 128 (docs/perf_notes.md, session 12), tested
-  // at 64, 96 and 128 (session 13).
+  // schedule would not balance causal's unequal tiles. Timed at head dim 128, tested at 64, 96 and 128.
   bool persistent = false;
   if constexpr (kLocal && !Traits::kWide) {
     persistent = p.cu_seqlens_q == nullptr && p.seqused_q == nullptr && p.seqused_k == nullptr &&
-                 OneTile::tail_blocks(p) > 0;
+                 OneTile::Mainloop::tail_blocks(p) > 0;
     if (persistent) {
       launch_sm90<BwdPersistentKernelSm90<Traits, kCausal, kLocal>>(p, stream, "persistent backward kernel launch");
     }

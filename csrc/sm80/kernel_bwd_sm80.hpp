@@ -16,13 +16,12 @@
 #include "../common/block_info.hpp"
 #include "../common/bwd_prepost.cuh"
 #include "../common/fragment.hpp"
-#include "../common/mask.hpp"     // tanh_approx
-#include "../common/softmax.hpp"  // exp2_approx
+#include "../common/fast_math.hpp"
 #include "../common/sync.hpp"
 #include "../common/tile_order.hpp"
 #include "../params.h"
-#include "kernel_fwd_sm80.hpp"  // copy_rows, gemm_smem, gemm_rs, accumulator views
 #include "kernel_traits_bwd_sm80.hpp"
+#include "utils_sm80.hpp"
 
 namespace flash4 {
 
@@ -47,7 +46,7 @@ struct BwdKernelSm80 {
   static Params to_params(BwdParams const& p) { return p; }
   // dK and dV leave through shared memory as 16-byte row pieces (store_staged, from a function of its own)
   // instead of 4-byte pairs straight from the accumulators: a per-CTA cost, so it pays where CTAs are short.
-  // Measured in one build (benchmarks/results/h200_sm80_session7_runs.json, call 3; docs/perf_notes.md):
+  // Measured in one build, H200, forced sm80 path:
   // hdim 128 causal +1.5-3% (234 -> 239, 264 -> 272, 283 -> 291 TFLOP/s at 2k / 4k / 8k), hdim 128 non-causal
   // -0.3 to -1.3%, hdim 64 -2 to -5% (the function call changes the loop's register allocation), so only
   // hdim 128 causal takes it.
@@ -233,9 +232,8 @@ struct BwdKernelSm80 {
       Tensor sdOt = make_tensor(make_smem_ptr(stage_ptr(s, 1)), typename Traits::SmemLayoutQt{});
       const float* rows_s = row_base + s * 2 * kBlockM;  // kBlockM lse_log2, then kBlockM D
       // {lse_log2, lse_log2, D, D} of the query pair of accumulator columns c & ~1 and (c & ~1) + 1 (a thread's
-      // columns come in such pairs, the even query first). The kernel of this form (with the epilogue below) is
-      // the one measured in session 7's call 3 (docs/perf_notes.md): against session 6's one-float-per-column
-      // reads, hdim 64 non-causal +2%, causal -1.5%, hdim 128 the same loop. An interleaved layout read with one
+      // columns come in such pairs, the even query first). The kernel of this form (with the epilogue below),
+      // measured against one-float-per-column reads: hdim 64 non-causal +2%, causal -1.5%, hdim 128 the same loop. An interleaved layout read with one
       // 16-byte load measured hdim 64 non-causal -2 to -4%, causal +2-3%, hdim 128 -0.3 to +0.7%.
       auto row_values = [&](int c) {
         const int q0 = get<1>(tScS_rc(0, c & ~1));
@@ -376,7 +374,7 @@ struct BwdKernelSm80 {
       store_pairs(tdVrdV, tdKVc, out_v + half * kHeadDimKV, p.dv_row_stride, rows, 1.f);
     } else {
       // Through memory into a function of its own: inlined, the staging code moved the loop's register
-      // allocation (hdim 128 non-causal loop 0 -> 6 spill instructions, session 7 call 2); as a call the hdim
+      // allocation (hdim 128 non-causal loop 0 -> 6 spill instructions); as a call the hdim
       // 128 causal loop has 2 (5 without staging). The barrier: every warp is done with the last step's K^T,
       // Q^T and dO^T, whose bytes the staging tiles reuse.
       static_assert(2 * kBlockN * staged_pitch<kHeadDim> * int(sizeof(Element)) <= kSmemBytes,

@@ -18,25 +18,27 @@
 // 32 queries a step keep shared memory at 137 KB at hdim 256 (A100: 164 KB a CTA).
 #pragma once
 
-#include "sm80_building_blocks.hpp"
+#include "utils_sm80.hpp"
 
 namespace flash4 {
 
 using namespace cute;
 
-template <class Element_, int kHeadDim_>
+// kBlockM, kBlockN, kNWarps: bwd_tile_sm80 (common/tile_size.h).
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
 struct BwdTraitsSm80 {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kSplit = kHeadDim > 128 ? 2 : 1;  // warp halves that split dK / dV's head-dim columns
-  static constexpr int kHeadDimKV = kHeadDim / kSplit;    // dK / dV columns a half owns
-  // queries per step; 128 at hdim 64 (FA2's tile) measured -2.5% (255 registers with a spill, twice the work
-  // between barriers with all 8 warps in lockstep; docs/perf_notes.md)
-  static constexpr int kBlockM = kSplit == 1 ? 64 : 32;
-  static constexpr int kNWarps = 8;
+  static constexpr int kBlockM = kBlockM_;  // queries per step
+  static constexpr int kBlockN = kBlockN_;  // keys per CTA
+  static constexpr int kNWarps = kNWarps_;
   static constexpr int kNumThreads = kNWarps * 32;
+  // Every warp computes 16 keys of S^T, so 16 * kNWarps / kBlockN warp groups ("halves") split dK / dV's
+  // head-dim columns.
+  static constexpr int kSplit = 16 * kNWarps / kBlockN;
+  static_assert(kSplit * kBlockN == 16 * kNWarps && (kSplit == 1 || kSplit == 2), "one or two warp halves");
+  static constexpr int kHeadDimKV = kHeadDim / kSplit;      // dK / dV columns a half owns
   static constexpr int kKeyThreads = kNumThreads / kSplit;  // the threads of one half
-  static constexpr int kBlockN = 16 * kNWarps / kSplit;     // keys per CTA
   static constexpr int kStages = 2;  // Q / dO buffers
   // K and V as the A operands of S^T / dP^T stay in registers for the CTA's life instead of being re-read
   // from shared memory every step (ncu: the kernel is bound by shared-memory reads); measured +4-7% at hdim
@@ -52,7 +54,7 @@ struct BwdTraitsSm80 {
   // columns a warp per N tile (the width a transposing ldmatrix.x4 loads for B): against 4 x 2 at 64 queries,
   // each warp reads 32 instead of 16 rows of dS and half the columns of K^T, at hdim 128 128 instead of 160 KB
   // of ldmatrix a step (the kernel is bound by shared-memory reads); measured +1.5-2.5% at hdim 128. At hdim
-  // 64 both read the same bytes and 2 x 4 measured 3.5-4.5% slower, so it keeps 4 x 2 (docs/perf_notes.md), as
+  // 64 both read the same bytes and 2 x 4 measured 3.5-4.5% slower, so it keeps 4 x 2, as
   // does hdim 96, which is not a whole number of 64-column N tiles.
   static constexpr bool kdQ2x4 = kHeadDim > 64 && kHeadDim % 64 == 0;
   static_assert(kdQ2x4 || kBlockM == 64, "the 4 x 2 dQ layout covers 64 queries");

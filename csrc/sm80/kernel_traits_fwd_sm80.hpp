@@ -2,10 +2,10 @@
 //
 // One CTA of kNWarps warps owns kBlockM query rows; warp w computes rows [16w, 16w + 16) of every 16 * kNWarps
 // row slab, over the whole key block, so softmax rows never cross warps. Q, K and V tiles live in shared
-// memory with the swizzle atom of sm80_building_blocks.hpp.
+// memory with the swizzle atom of utils_sm80.hpp.
 #pragma once
 
-#include "sm80_building_blocks.hpp"
+#include "utils_sm80.hpp"
 
 namespace flash4 {
 

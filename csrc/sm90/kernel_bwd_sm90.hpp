@@ -1,754 +1,119 @@
-// sm90 backward kernel (see kernel_traits_bwd_sm90.hpp for the math and the tiling).
+// sm90 backward kernel: one CTA per (key block, kv head, batch); warp roles and the CTA's life. The loads and
+// steps are the mainloop's (mainloop_bwd_sm90.hpp), the dQ / dK / dV stores the epilogue's
+// (epilogue_bwd_sm90.hpp); the tiling and the math are in kernel_traits_bwd_sm90.hpp.
 //
-// Warp roles as in the forward: warpgroup 0 produces (one thread issues TMA: K and V of the CTA's key
-// block once, then Q, dO, lse_log2 and D per query block into a two-stage pipeline), warpgroups 1 and 2
-// consume, 64 keys each; warp 1 of warpgroup 0 writes dQ. dK and dV stay in registers for the CTA's whole
-// life (summed over the query heads of the GQA group, so no cross-CTA reduction is needed for them); dQ
-// leaves every step through shared memory and a bulk reduce-add into dq_accum.
+// Warp roles as in the forward: warpgroup 0 produces (one thread issues TMA: K and V of the CTA's key block
+// once, then Q, dO, lse_log2 and D per query block into a two-stage pipeline), warpgroups 1 and 2 consume, 64
+// keys each; warp 1 of warpgroup 0 writes dQ (head dims <= 128). dK and dV stay in registers for the CTA's
+// whole life (summed over the query heads of the GQA group, so no cross-CTA reduction is needed for them).
 #pragma once
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
-#include <cutlass/numeric_conversion.h>
-#include <cutlass/pipeline/sm90_pipeline.hpp>
 
-#include "../common/block_info.hpp"
-#include "../common/bwd_prepost.cuh"  // store_staged
-#include "../common/fragment.hpp"
-#include "../common/mask.hpp"     // tanh_approx
-#include "../common/softmax.hpp"  // exp2_approx
-#include "../common/sync.hpp"
 #include "../common/tile_order.hpp"
 #include "../common/trace.hpp"
 #include "../params.h"
+#include "epilogue_bwd_sm90.hpp"
 #include "kernel_traits_bwd_sm90.hpp"
+#include "mainloop_bwd_sm90.hpp"
 #include "utils_sm90.hpp"
 
 namespace flash4 {
 
 using namespace cute;
 
-__device__ __forceinline__ float log2_approx(float x) {
-  float y;
-  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
 template <class Traits_, bool kCausal, bool kLocal>
 struct BwdKernelSm90 {
   using Traits = Traits_;
-  using Element = typename Traits::Element;
-  static constexpr int kBlockM = Traits::kBlockM;
+  using Mainloop = MainloopBwdSm90<Traits, kCausal, kLocal>;
+  using Epilogue = EpilogueBwdSm90<Traits, kCausal, kLocal>;
+  using SharedStorage = typename Traits::SharedStorage;
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kHeadDim = Traits::kHeadDim;
   static constexpr int kNumThreads = Traits::kNumThreads;
   static constexpr int kSmemBytes = Traits::kSmemBytes;
-  using SharedStorage = typename Traits::SharedStorage;
-  using Mask = BlockMask<kBlockM, kBlockN, kCausal, kLocal>;
-
-  using ShapeT = Shape<int32_t, int32_t, int32_t, int32_t>;  // (seqlen, head_dim, heads, batch)
-  using StrideT = Stride<int64_t, _1, int64_t, int64_t>;
-  using ShapeRow = Shape<int32_t, int32_t, int32_t>;  // (scratch rows, heads, batch)
-  using StrideRow = Stride<_1, int64_t, int64_t>;
-  using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
-  using TileK = Shape<Int<kBlockN>, Int<kHeadDim>>;
-  using TileRow = Shape<Int<kBlockM>>;
-
-  template <class Stride, class Shape_, class SmemLayout, class Tile, class T = Element>
-  using TmaLoad = decltype(make_tma_copy(SM90_TMA_LOAD{},
-                                         make_tensor(make_gmem_ptr(static_cast<T const*>(nullptr)), Shape_{},
-                                                     Stride{}),
-                                         SmemLayout{}, Tile{}, _1{}));
-  using TmaQ = TmaLoad<StrideT, ShapeT, decltype(take<0, 2>(typename Traits::SmemLayoutQ{})), TileQ>;
-  using TmaK = TmaLoad<StrideT, ShapeT, typename Traits::SmemLayoutK, TileK>;
-  using TmaV = TmaLoad<StrideT, ShapeT, typename Traits::SmemLayoutV, TileK>;
-  using TmaRow = TmaLoad<StrideRow, ShapeRow, Layout<TileRow>, TileRow, float>;
+  static constexpr bool kMasked = kCausal || kLocal;
 
   struct Params {
-    TmaQ tma_q, tma_do;
-    TmaK tma_k;
-    TmaV tma_v;
-    TmaRow tma_lse, tma_dpsum;
-    ShapeT shape_q, shape_k;
-    ShapeRow shape_row;
-    float* dq_accum;
-    int* dq_semaphore;
-    void* dk;
-    void* dv;
-    int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
-    int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
-    int64_t accum_batch_stride, accum_head_stride;  // scratch rows (see BwdParams)
-    int seqlen_q, seqlen_k, nheads_q, head_ratio;
-    // P = exp2(s * scale_log2 - lse_log2); with softcap s is tanh(s * softcap_scale) and scale_log2 =
-    // softcap * log2(e) (softcap_scale = 0: none).
-    float scale_log2, softmax_scale, softcap_scale;
-    int window_left, window_right;
-    const int* cu_seqlens_q;
-    const int* cu_seqlens_k;
-    const int* seqused_q;
-    const int* seqused_k;
+    typename Mainloop::Params mainloop;
+    typename Epilogue::Params epilogue;
     TileOrder order;  // launch order of masked grids (tile_order.hpp)
     unsigned long long* trace;
   };
 
-  static constexpr bool kMasked = kCausal || kLocal;
-
-  // Sliding windows: the key blocks whose window the sequence end cuts are seen by fewer query blocks than the
-  // rest; they go last (tile_order.hpp). A window wider than half the sequence grows like causal: the grouped
-  // order stays (see the forward's).
-  static int tail_blocks(BwdParams const& p) {
-    if (!kLocal) return 0;
-    const int num_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
-    const int tail = (p.window_left + 1) / kBlockN + 2;  // the last keys, whose window ends past the last query
-    return 2 * tail <= num_blocks ? tail : 0;
-  }
-
   static Params to_params(BwdParams const& p) {
-    auto ptr = [](const void* x) { return make_gmem_ptr(static_cast<Element const*>(x)); };
-    // Packed batches: one batch of all rows, coordinates offset per sequence (see the forward mainloop).
-    const bool packed = p.cu_seqlens_q != nullptr;
-    const int batch = packed ? 1 : p.batch;
-    ShapeT shape_q = make_shape(packed ? p.total_q : p.seqlen_q, p.head_dim, p.nheads_q, batch);
-    ShapeT shape_k = make_shape(packed ? p.total_k : p.seqlen_k, p.head_dim, p.nheads_kv, batch);
-    ShapeRow shape_row = make_shape(int(p.accum_head_stride), p.nheads_q, batch);
-    auto row_stride = make_stride(_1{}, p.accum_head_stride, p.accum_batch_stride);
-    Tensor mQ = make_tensor(ptr(p.q), shape_q, make_stride(p.q_row_stride, _1{}, p.q_head_stride, p.q_batch_stride));
-    Tensor mdO = make_tensor(ptr(p.dout), shape_q,
-                             make_stride(p.dout_row_stride, _1{}, p.dout_head_stride, p.dout_batch_stride));
-    Tensor mK = make_tensor(ptr(p.k), shape_k, make_stride(p.k_row_stride, _1{}, p.k_head_stride, p.k_batch_stride));
-    Tensor mV = make_tensor(ptr(p.v), shape_k, make_stride(p.v_row_stride, _1{}, p.v_head_stride, p.v_batch_stride));
-    Tensor mLse = make_tensor(make_gmem_ptr(static_cast<float const*>(p.lse_log2)), shape_row, row_stride);
-    Tensor mDpsum = make_tensor(make_gmem_ptr(static_cast<float const*>(p.dpsum)), shape_row, row_stride);
-    auto sQ = take<0, 2>(typename Traits::SmemLayoutQ{});
     const dim3 g = grid(p);
-    return {make_tma_copy(SM90_TMA_LOAD{}, mQ, sQ, TileQ{}, _1{}),
-            make_tma_copy(SM90_TMA_LOAD{}, mdO, sQ, TileQ{}, _1{}),
-            make_tma_copy(SM90_TMA_LOAD{}, mK, typename Traits::SmemLayoutK{}, TileK{}, _1{}),
-            make_tma_copy(SM90_TMA_LOAD{}, mV, typename Traits::SmemLayoutV{}, TileK{}, _1{}),
-            make_tma_copy(SM90_TMA_LOAD{}, mLse, Layout<TileRow>{}, TileRow{}, _1{}),
-            make_tma_copy(SM90_TMA_LOAD{}, mDpsum, Layout<TileRow>{}, TileRow{}, _1{}),
-            shape_q,
-            shape_k,
-            shape_row,
-            p.dq_accum,
-            p.dq_semaphore,
-            p.dk,
-            p.dv,
-            p.dk_batch_stride,
-            p.dk_row_stride,
-            p.dk_head_stride,
-            p.dv_batch_stride,
-            p.dv_row_stride,
-            p.dv_head_stride,
-            p.accum_batch_stride,
-            p.accum_head_stride,
-            p.seqlen_q,
-            p.seqlen_k,
-            p.nheads_q,
-            p.nheads_q / p.nheads_kv,
-            p.score_scale_log2(),
-            p.softmax_scale,
-            p.softcap_scale(),
-            p.window_left,
-            p.window_right,
-            p.cu_seqlens_q,
-            p.cu_seqlens_k,
-            p.seqused_q,
-            p.seqused_k,
-            kMasked ? TileOrder::make<kHeadDim>(int(g.x), int(g.y), int(g.z), tail_blocks(p)) : TileOrder{},
-            p.trace};
+    const TileOrder order = kMasked ? TileOrder::make<kHeadDim>(int(g.x), int(g.y), int(g.z), Mainloop::tail_blocks(p))
+                                    : TileOrder{};
+    return {Mainloop::to_params(p), Epilogue::to_params(p), order, p.trace};
   }
 
-  // Where this CTA's sequence lives, its masks, and the first scratch row of (sequence, query head 0).
-  struct Seq {
-    SeqInfo info;
-    Mask bm;
-    int accum_offset;    // the sequence's first scratch row within its (batch, head) slice
-    int64_t accum_row0;  // the same row counted from the start of the scratch (+ head * accum_head_stride)
-  };
-  CUTE_DEVICE static Seq seq_of(Params const& params, int bidb) {
-    const SeqInfo info = make_seq_info(params.cu_seqlens_q, params.cu_seqlens_k, params.seqused_q,
-                                       params.seqused_k, bidb, params.seqlen_q, params.seqlen_k);
-    const int64_t offset = params.cu_seqlens_q ? padded_row_offset(params.cu_seqlens_q[bidb], bidb) : 0;
-    return {info, Mask(info.seqlen_q, info.seqlen_k, params.window_left, params.window_right), int(offset),
-            info.batch * params.accum_batch_stride + offset};
-  }
-
-  static dim3 grid(BwdParams const& p) {
-    return dim3((p.seqlen_k + kBlockN - 1) / kBlockN, p.nheads_kv, p.batch);
-  }
-
-  // Query blocks [m_min, m_max) that see at least one key of key block n_block (empty: m_max <= m_min).
-  CUTE_DEVICE static void m_block_range(Seq const& seq, int n_block, int& m_min, int& m_max) {
-    m_min = seq.bm.m_block_min(n_block);
-    m_max = seq.bm.m_block_max(n_block);
-  }
-
-  // `state` carries across the tiles of a persistent CTA; before_kv(prefetch_kv) runs before K and V are loaded
-  // over the previous tile's (the persistent kernel prefetches them into L2 there, then waits until its
-  // consumers are done with the previous ones).
-  template <class BeforeKV>
-  CUTE_DEVICE void load(Params const& params, typename Traits::PipelineQdO& pipeline, SharedStorage& smem,
-                        int n_block, int bidh_kv, Seq const& seq, typename Traits::PipelineState& state,
-                        BeforeKV&& before_kv, TraceRow const& trace) const {
-    const SeqInfo& si = seq.info;
-    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
-    Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutV{});
-    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
-    Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutdO{});
-    Tensor sLse = make_tensor(make_smem_ptr(smem.lse_log2.data()), typename Traits::SmemLayoutRow{});
-    Tensor sDpsum = make_tensor(make_smem_ptr(smem.dpsum.data()), typename Traits::SmemLayoutRow{});
-
-    using BarrierT = cutlass::arch::ClusterTransactionBarrier::ValueType;
-    auto rows_k = [&](auto const& t) { return domain_offset(make_coord(si.offset_k, _0{}), t); };
-    auto rows_q = [&](auto const& t) { return domain_offset(make_coord(si.offset_q, _0{}), t); };
-    // The TMA views are already sliced by (head, batch): only the sequence's own offset is added.
-    auto rows_acc = [&](auto const& t) { return domain_offset(make_coord(seq.accum_offset), t); };
-    Tensor gK = local_tile(rows_k(params.tma_k.get_tma_tensor(params.shape_k)(_, _, bidh_kv, si.batch)), TileK{},
-                           make_coord(n_block, _0{}));
-    Tensor gV = local_tile(rows_k(params.tma_v.get_tma_tensor(params.shape_k)(_, _, bidh_kv, si.batch)), TileK{},
-                           make_coord(n_block, _0{}));
-    auto tK = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-    auto tV = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-    before_kv([&] {
-      cute::prefetch(params.tma_k, get<0>(tK));
-      cute::prefetch(params.tma_v, get<0>(tV));
-    });
-    smem.barrier_kv.arrive_and_expect_tx(Traits::kTmaBytesKV);
-    copy(params.tma_k.with(reinterpret_cast<BarrierT&>(smem.barrier_kv)), get<0>(tK), get<1>(tK));
-    copy(params.tma_v.with(reinterpret_cast<BarrierT&>(smem.barrier_kv)), get<0>(tV), get<1>(tV));
-    trace.stamp(9);
-
-    int m_min, m_max;
-    m_block_range(seq, n_block, m_min, m_max);
-    // Not unrolled: the producer warpgroup runs on 24 registers, and unrolled copies of this loop spill.
-#pragma unroll 1
-    for (int i = 0; i < params.head_ratio; ++i) {
-      const int bidh = bidh_kv * params.head_ratio + i;
-      Tensor gQ = local_tile(rows_q(params.tma_q.get_tma_tensor(params.shape_q)(_, _, bidh, si.batch)), TileQ{},
-                             make_coord(_, _0{}));  // (M, D, m)
-      Tensor gdO = local_tile(rows_q(params.tma_do.get_tma_tensor(params.shape_q)(_, _, bidh, si.batch)), TileQ{},
-                              make_coord(_, _0{}));
-      Tensor gLse = local_tile(rows_acc(params.tma_lse.get_tma_tensor(params.shape_row)(_, bidh, si.batch)),
-                               TileRow{}, make_coord(_));  // (M, m)
-      Tensor gDpsum = local_tile(rows_acc(params.tma_dpsum.get_tma_tensor(params.shape_row)(_, bidh, si.batch)),
-                                 TileRow{}, make_coord(_));
-      auto tQ = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-      auto tdO = tma_partition(params.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
-      auto tLse = tma_partition(params.tma_lse, _0{}, Layout<_1>{}, group_modes<0, 1>(sLse), group_modes<0, 1>(gLse));
-      auto tDpsum =
-          tma_partition(params.tma_dpsum, _0{}, Layout<_1>{}, group_modes<0, 1>(sDpsum), group_modes<0, 1>(gDpsum));
-#pragma unroll 1
-      for (int m_block = m_min; m_block < m_max; ++m_block) {
-        pipeline.producer_acquire(state);
-        BarrierT* bar = pipeline.producer_get_barrier(state);
-        const int s = state.index();
-        copy(params.tma_q.with(*bar), get<0>(tQ)(_, m_block), get<1>(tQ)(_, s));
-        copy(params.tma_do.with(*bar), get<0>(tdO)(_, m_block), get<1>(tdO)(_, s));
-        copy(params.tma_lse.with(*bar), get<0>(tLse)(_, m_block), get<1>(tLse)(_, s));
-        copy(params.tma_dpsum.with(*bar), get<0>(tDpsum)(_, m_block), get<1>(tDpsum)(_, s));
-        ++state;
-      }
-    }
-  }
-
-  // P^T = exp2(S^T * scale_log2 - lse_log2[q]) in place; masked entries are 0. Rows of Q past seqlen_q have
-  // lse_log2 = +inf (pre-pass), so they give 0 without a mask. lse_s points at this thread's first query
-  // column; tScS0_rc (thread 0's coordinates) gives the other columns' offsets, which fold to immediates.
-  template <class TS, class TC, class TC0>
-  CUTE_DEVICE static void probabilities(Params const& params, Mask const& bm, TS& tSrS_rc, TC const& tScS_rc,
-                                        TC0 const& tScS0_rc, const float* lse_s, int n_block, int m_block) {
-    const int key0 = n_block * kBlockN, query0 = m_block * kBlockM;
-    const bool need_mask = bm.tile_needs_mask(m_block, n_block);
-    if (params.softcap_scale != 0.f) apply_softcap(tSrS_rc, params.softcap_scale);
-#pragma unroll
-    for (int r = 0; r < size<0>(tSrS_rc); ++r) {
-#pragma unroll
-      for (int c = 0; c < size<1>(tSrS_rc); ++c) {
-        tSrS_rc(r, c) = exp2_approx(fmaf(tSrS_rc(r, c), params.scale_log2, -lse_s[get<1>(tScS0_rc(r, c))]));
-      }
-    }
-    // Masking is a separate pass that only the boundary blocks take, so the common path carries no index
-    // arithmetic (it was what pushed the causal kernel into spilling).
-    if (need_mask) {
-#pragma unroll
-      for (int r = 0; r < size<0>(tSrS_rc); ++r) {
-        const int key = key0 + get<0>(tScS_rc(r, 0));
-#pragma unroll
-        for (int c = 0; c < size<1>(tSrS_rc); ++c) {
-          const int query = query0 + get<1>(tScS_rc(r, c));
-          if (bm.masked(query, key)) tSrS_rc(r, c) = 0.f;
-        }
-      }
-    }
-  }
-
-  // dS^T = P^T * (dP^T - D[q]), written over dP^T's registers (D columns read as in probabilities()).
-  // With softcap the score was cap * t, t = tanh(s * scale / cap), so dS picks up dt/ds ~ (1 - t^2); t is
-  // recovered from P itself (log2 P = t * scale_log2 - lse_log2) instead of living in more registers.
-  template <class TdP, class TS, class TC0>
-  CUTE_DEVICE static void ds_from_dp(Params const& params, TdP& tSrdP_rc, TS const& tSrS_rc, TC0 const& tScS0_rc,
-                                     const float* dpsum_s, const float* lse_s) {
-#pragma unroll
-    for (int r = 0; r < size<0>(tSrdP_rc); ++r) {
-#pragma unroll
-      for (int c = 0; c < size<1>(tSrdP_rc); ++c) {
-        tSrdP_rc(r, c) = tSrS_rc(r, c) * (tSrdP_rc(r, c) - dpsum_s[get<1>(tScS0_rc(r, c))]);
-      }
-    }
-    if (params.softcap_scale != 0.f) {
-      const float inv_scale_log2 = 1.f / params.scale_log2;
-#pragma unroll
-      for (int r = 0; r < size<0>(tSrdP_rc); ++r) {
-#pragma unroll
-        for (int c = 0; c < size<1>(tSrdP_rc); ++c) {
-          const float p = tSrS_rc(r, c);
-          const float t = (log2_approx(p) + lse_s[get<1>(tScS0_rc(r, c))]) * inv_scale_log2;
-          tSrdP_rc(r, c) = p > 0.f ? tSrdP_rc(r, c) * (1.f - t * t) : 0.f;
-        }
-      }
-    }
-  }
-
-  // Deterministic mode: the position of key block n_block among those that add into query block m_block.
-  // Non-causal: increasing n. Causal: decreasing n, the order in which they reach m_block anyway (key block
-  // n starts at the diagonal query block, two 64-row blocks below n - 1's), so none waits for a slower one.
-  // Sliding windows: increasing n from the first key block that sees m_block. The key blocks that see
-  // m_block are exactly [n_block_min(m_block), n_block_max(m_block)) of the forward's geometry.
-  CUTE_DEVICE static int turn(Mask const& bm, int n_block, int m_block) {
-    if constexpr (kCausal) {
-      return bm.n_block_max(m_block) - 1 - n_block;
-    } else {
-      return n_block - bm.n_block_min(m_block);
-    }
-  }
-
-  // Warp 1 of the producer warpgroup: per query block, waits for each consumer warpgroup's dQ half in
-  // shared memory, reduce-adds it into dq_accum with one bulk copy, and hands the buffer back once read.
-  // The last block's buffer is handed back only with kReleaseLast (the persistent kernel, whose consumers take
-  // that release before they reuse the buffer); otherwise its barrier phase would stay open at exit.
-  // Deterministic mode: key blocks of one (batch, head) add to a query block in a fixed order (turn()),
-  // taking turns through a counter, so the fp32 sums are formed in the same order every run.
-  template <bool kReleaseLast = false>
-  CUTE_DEVICE void store_dq(Params const& params, SharedStorage& smem, int n_block, int bidh_kv, Seq const& seq) const {
-    constexpr int kChunk = Traits::kdQChunk;
-    const bool leader = cute::elect_one_sync();
-    int m_min, m_max;
-    m_block_range(seq, n_block, m_min, m_max);
-#pragma unroll 1  // 24 registers, as in load()
-    for (int i = 0; i < params.head_ratio; ++i) {
-      const int64_t row0 = seq.accum_row0 + (bidh_kv * params.head_ratio + i) * params.accum_head_stride;
-      float* dq_accum = params.dq_accum + row0 * kHeadDim;
-      int* semaphore = params.dq_semaphore ? params.dq_semaphore + row0 / kBlockM : nullptr;
-#pragma unroll 1
-      for (int m_block = m_min; m_block < m_max; ++m_block) {
-        const bool last = !kReleaseLast && i == params.head_ratio - 1 && m_block == m_max - 1;
-        if (semaphore != nullptr && leader) {
-          while (load_acquire_gpu(semaphore + m_block) != turn(seq.bm, n_block, m_block)) {
-          }
-          fence_proxy_async_global();
-        }
-        __syncwarp();
-#pragma unroll
-        for (int w = 0; w < Traits::kNumMmaWarpGroups; ++w) {
-          named_barrier_sync(128 + 32, int(BwdBarrier::kdQFull0) + w);
-          if (leader) {
-            bulk_reduce_add_f32(dq_accum + int64_t(m_block) * kBlockM * kHeadDim + w * kChunk,
-                                smem.dq.data() + w * kChunk, kChunk * int(sizeof(float)));
-            bulk_commit_group();
-          }
-        }
-        if (leader) bulk_wait_group_read<1>();
-        __syncwarp();
-        if (!last) named_barrier_arrive(128 + 32, int(BwdBarrier::kdQEmpty0));
-        if (leader) bulk_wait_group_read<0>();
-        __syncwarp();
-        if (!last) named_barrier_arrive(128 + 32, int(BwdBarrier::kdQEmpty0) + 1);
-        if (semaphore != nullptr && leader) {
-          bulk_wait_all();
-          fence_proxy_async_global();
-          release_increment_gpu(semaphore + m_block);
-        }
-      }
-    }
-  }
-
-  // `read` carries across the tiles of a persistent CTA, which loads K and V once per tile (barrier_kv phase
-  // kv_phase); after_gemms() runs once this warpgroup's last GEMM of the tile has retired.
-  template <class FragKV, class AfterGemms>
-  CUTE_DEVICE void mma(Params const& params, typename Traits::PipelineQdO& pipeline, SharedStorage& smem,
-                       FragKV& tdKrdK, FragKV& tdVrdV, int thread_idx, int n_block, Seq const& seq,
-                       typename Traits::PipelineState& read, int kv_phase, AfterGemms&& after_gemms,
-                       TraceRow const& trace) const {
-    typename Traits::TiledMmaSdP mma_sdp;
-    typename Traits::TiledMmadKV mma_dkv;
-    typename Traits::TiledMmadQ mma_dq;
-    auto thr_sdp = mma_sdp.get_thread_slice(thread_idx);
-    auto thr_dkv = mma_dkv.get_thread_slice(thread_idx);
-    auto thr_dq = mma_dq.get_thread_slice(thread_idx);
-    const int warp_group = thread_idx / 128, wg_thread = thread_idx % 128;
-
-    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
-    Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutV{});
-    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
-    Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutdO{});
-    Tensor sQt = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQt{});
-    Tensor sdOt = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutdOt{});
-    Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKt{});
-    Tensor sdS = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutdS{});
-    Tensor sLse = make_tensor(make_smem_ptr(smem.lse_log2.data()), typename Traits::SmemLayoutRow{});
-    Tensor sDpsum = make_tensor(make_smem_ptr(smem.dpsum.data()), typename Traits::SmemLayoutRow{});
-    float4* sdQ = reinterpret_cast<float4*>(smem.dq.data() + warp_group * Traits::kdQChunk);
-
-    // S^T = K Q^T and dP^T = V dO^T: A = this warpgroup's 64 keys, B = the stage's queries.
-    Tensor tSrK = thr_sdp.partition_fragment_A(sK);
-    Tensor tSrV = thr_sdp.partition_fragment_A(sV);
-    Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);    // (MMA, N, K, stage)
-    Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);  // (MMA, N, K, stage)
-    // dV += P^T dO, dK += dS^T Q: B = dO^T / Q^T.
-    Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);  // (MMA, N, K, stage)
-    Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt);
-    // dQ = dS K; this warpgroup computes head_dim columns [w * D/2, (w + 1) * D/2).
-    Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);  // (MMA, M, K, buffer)
-    Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
-
-    using TileS = Shape<Int<kBlockN>, Int<kBlockM>>;
-    Tensor tSrS = partition_fragment_C(mma_sdp, TileS{});
-    Tensor tSrdP = partition_fragment_C(mma_sdp, TileS{});
-    Tensor tSrS_rc = make_tensor(tSrS.data(), acc_rowcol_layout(tSrS.layout()));
-    Tensor tSrdP_rc = make_tensor(tSrdP.data(), acc_rowcol_layout(tSrdP.layout()));
-    Tensor tScS = thr_sdp.partition_C(make_identity_tensor(TileS{}));  // (key, query) in the tile
-    Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol_layout(tScS.layout()));
-    // A thread's query columns are its first one plus offsets that are the same for every thread: taken from
-    // thread 0's slice they fold to immediates, so lse_log2 and D are read off one base pointer per stage
-    // (per-column addresses cost registers and spilled).
-    Tensor tScS0 = mma_sdp.get_thread_slice(0).partition_C(make_identity_tensor(TileS{}));
-    Tensor tScS0_rc = make_tensor(tScS0.data(), acc_rowcol_layout(tScS0.layout()));
-    const int query_thr = get<1>(tScS_rc(0, 0));
-    Tensor tPrP_acc = make_tensor<Element>(tSrS.layout());
-    Tensor tPrP = make_tensor(tPrP_acc.data(), acc_as_a_operand_layout(tSrS.layout()));
-    Tensor tdSrdS_acc = make_tensor<Element>(tSrS.layout());
-    Tensor tdSrdS = make_tensor(tdSrdS_acc.data(), acc_as_a_operand_layout(tSrS.layout()));
-    // The dS buffer seen as (keys, queries, buffer), the accumulator's orientation, for stmatrix.
-    Tensor sdSt = make_tensor(sdS.data(), select<1, 0, 2>(sdS.layout()));
-    auto smem_copy_dS = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
-    auto smem_thr_copy_dS = smem_copy_dS.get_thread_slice(thread_idx);
-    Tensor tdSsdS = smem_thr_copy_dS.partition_D(sdSt);
-    Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-    static_assert(decltype(size(tdQrdQ))::value * 128 == Traits::kdQChunk);
-
-    clear(tdKrdK);
-    clear(tdVrdV);
-    int m_min, m_max;
-    m_block_range(seq, n_block, m_min, m_max);
-    // This warpgroup's dQ buffer starts empty: warp 0 stands in for the writer warp's first release (the
-    // writer skips its last one, or, in the persistent kernel, the store takes it, so every barrier phase
-    // started is completed).
-    if (m_min < m_max && wg_thread < 32) named_barrier_arrive(128 + 32, int(BwdBarrier::kdQEmpty0) + warp_group);
-    smem.barrier_kv.wait(kv_phase);
-    if (thread_idx == 0) trace.stamp(2);
-
-    // The stage of this tile's previous step (-1: none yet), released once the next step's S^T has retired.
-    // Only its index is kept (consumer_release reads nothing else): registers are at their limit here.
-    int prev_stage = -1;
-    for (int i = 0; i < params.head_ratio; ++i) {
-      for (int m_block = m_min; m_block < m_max; ++m_block) {
-        const int s = read.index();
-        pipeline.consumer_wait(read);
-        // K's and V's descriptors are the same every step, but made here from an opaque base: precomputed
-        // for every k-step before the loop they took 32 registers, and the persistent kernel spilled them.
-        warpgroup_gemm</*zero_init=*/true, -1>(mma_sdp, opaque_descriptors(tSrK), tSrQ(_, _, _, s), tSrS);
-        warpgroup_gemm<true, -1>(mma_sdp, opaque_descriptors(tSrV), tSrdO(_, _, _, s), tSrdP);
-        // S^T has retired, and with it the previous step's dK GEMM, the last reader of that step's stage.
-        warpgroup_wait<1>();
-        warpgroup_fence_operand(tSrS);
-        if (prev_stage >= 0 && wg_thread == 0) pipeline.consumer_release(stage_state(prev_stage));
-
-        const float* lse_s = &sLse(query_thr, s);
-        const float* dpsum_s = &sDpsum(query_thr, s);
-        probabilities(params, seq.bm, tSrS_rc, tScS_rc, tScS0_rc, lse_s, n_block, m_block);
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(tSrdP);
-        ds_from_dp(params, tSrdP_rc, tSrS_rc, tScS0_rc, dpsum_s, lse_s);
-        convert_fragment(tSrS, tPrP_acc);
-        convert_fragment(tSrdP, tdSrdS_acc);
-
-        // dS (queries x keys) to shared memory for the dQ GEMM. Buffer = step parity (the stage index, with
-        // an even number of stages): the other warpgroup may still be reading the previous step's buffer,
-        // but it passed this step's barrier only after its dQ GEMM of two steps ago retired, so this buffer
-        // is free. Queries are contiguous in the buffer, as
-        // in the accumulator's 8x8 blocks, so stmatrix stores four blocks per instruction (per-element
-        // swizzled addresses cost registers and spilled).
-        static_assert(Traits::kStages % 2 == 0, "dS buffer parity follows the stage index");
-        const int buf = s & 1;
-        copy(smem_copy_dS, smem_thr_copy_dS.retile_S(tdSrdS_acc), tdSsdS(_, _, _, buf));
-        warpgroup_gemm<false, -1>(mma_dkv, tPrP, tdVrdOt(_, _, _, s), tdVrdV);
-        cutlass::arch::fence_view_async_shared();
-        named_barrier_sync(Traits::kNumMmaThreads, int(BwdBarrier::kdS));
-        warpgroup_gemm<true, 1>(mma_dq, tdQrdS(_, _, _, buf), opaque_descriptors(tdQrKt), tdQrdQ);  // dV retired
-        warpgroup_fence_operand(tdVrdV);
-        warpgroup_gemm<false, 1>(mma_dkv, tdSrdS, tdKrQt(_, _, _, s), tdKrdK);  // dQ retired
-        warpgroup_fence_operand(tdQrdQ);
-
-        // dQ to this warpgroup's shared-memory chunk, once the writer warp has read the previous one.
-        named_barrier_sync(128 + 32, int(BwdBarrier::kdQEmpty0) + warp_group);
-#pragma unroll
-        for (int e = 0; e < size(tdQrdQ); e += 4) {
-          sdQ[(e / 4) * 128 + wg_thread] = make_float4(tdQrdQ(e), tdQrdQ(e + 1), tdQrdQ(e + 2), tdQrdQ(e + 3));
-        }
-        cutlass::arch::fence_view_async_shared();  // visible to the bulk copy (async proxy)
-        named_barrier_arrive(128 + 32, int(BwdBarrier::kdQFull0) + warp_group);
-        if (thread_idx == 0 && prev_stage < 0) trace.stamp(3);
-        prev_stage = s;
-        ++read;
-      }
-    }
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(tdKrdK);
-    after_gemms();
-    if (thread_idx == 0) trace.stamp(4);
-    if (prev_stage >= 0 && wg_thread == 0) pipeline.consumer_release(stage_state(prev_stage));
-  }
-
-  CUTE_DEVICE static typename Traits::PipelineState stage_state(int stage) {
-    return typename Traits::PipelineState(stage, 0u, 0u);
-  }
-
-  // Head dims 192 / 256 (BwdWideTraitsSm90): the warpgroups split queries for S^T and dP^T and head_dim
-  // for dV, dK and dQ; P^T and dS^T meet in shared memory. dQ goes to dq_accum with 16-byte reductions, in
-  // the order the post-pass reads (float4 i of thread t of warpgroup w at w * kdQChunk + 4 * (i * 128 + t)).
-  template <class FragKV>
-  CUTE_DEVICE void mma_wide(Params const& params, typename Traits::PipelineQdO& pipeline, SharedStorage& smem,
-                            FragKV& tdKrdK, FragKV& tdVrdV, int thread_idx, int n_block, int bidh_kv,
-                            Seq const& seq) const {
-    typename Traits::TiledMmaSdP mma_sdp;
-    typename Traits::TiledMmadKV mma_dkv;
-    typename Traits::TiledMmadQ mma_dq;
-    auto thr_sdp = mma_sdp.get_thread_slice(thread_idx);
-    auto thr_dkv = mma_dkv.get_thread_slice(thread_idx);
-    auto thr_dq = mma_dq.get_thread_slice(thread_idx);
-    const int warp_group = thread_idx / 128, wg_thread = thread_idx % 128;
-
-    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
-    Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutV{});
-    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
-    Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutdO{});
-    Tensor sQt = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQt{});
-    Tensor sdOt = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutdOt{});
-    Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKt{});
-    Tensor sdS = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutdS{});
-    Tensor sdSt = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutdSt{});
-    Tensor sPt = make_tensor(make_smem_ptr(smem.p.data()), typename Traits::SmemLayoutdSt{});
-    Tensor sLse = make_tensor(make_smem_ptr(smem.lse_log2.data()), typename Traits::SmemLayoutRow{});
-    Tensor sDpsum = make_tensor(make_smem_ptr(smem.dpsum.data()), typename Traits::SmemLayoutRow{});
-
-    Tensor tSrK = thr_sdp.partition_fragment_A(sK);
-    Tensor tSrV = thr_sdp.partition_fragment_A(sV);
-    Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);    // (MMA, N, K, stage): this warpgroup's queries
-    Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
-    Tensor tdVrPt = thr_dkv.partition_fragment_A(sPt);    // (MMA, M, K, buffer)
-    Tensor tdKrdSt = thr_dkv.partition_fragment_A(sdSt);
-    Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);  // (MMA, N, K, stage): this warpgroup's head_dim half
-    Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt);
-    Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
-    Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
-
-    using TileS = Shape<Int<kBlockN>, Int<kBlockM>>;
-    Tensor tSrS = partition_fragment_C(mma_sdp, TileS{});
-    Tensor tSrdP = partition_fragment_C(mma_sdp, TileS{});
-    Tensor tSrS_rc = make_tensor(tSrS.data(), acc_rowcol_layout(tSrS.layout()));
-    Tensor tSrdP_rc = make_tensor(tSrdP.data(), acc_rowcol_layout(tSrdP.layout()));
-    Tensor tScS = thr_sdp.partition_C(make_identity_tensor(TileS{}));
-    Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol_layout(tScS.layout()));
-    Tensor tScS0 = mma_sdp.get_thread_slice(0).partition_C(make_identity_tensor(TileS{}));  // see mma()
-    Tensor tScS0_rc = make_tensor(tScS0.data(), acc_rowcol_layout(tScS0.layout()));
-    const int query_thr = get<1>(tScS_rc(0, 0));
-    Tensor tPrP = make_tensor<Element>(tSrS.layout());
-    Tensor tdSrdS = make_tensor<Element>(tSrS.layout());
-    auto smem_copy_PdS = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
-    auto smem_thr_copy_PdS = smem_copy_PdS.get_thread_slice(thread_idx);
-    Tensor tPsPt = smem_thr_copy_PdS.partition_D(sPt);
-    Tensor tdSsdSt = smem_thr_copy_PdS.partition_D(sdSt);
-    Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-    static_assert(decltype(size(tdQrdQ))::value * 128 == Traits::kdQChunk);
-
-    clear(tdKrdK);
-    clear(tdVrdV);
-    int m_min, m_max;
-    m_block_range(seq, n_block, m_min, m_max);
-    smem.barrier_kv.wait(0);
-
-    typename Traits::PipelineState read;
-#pragma unroll 1
-    for (int i = 0; i < params.head_ratio; ++i) {
-      const int64_t row0 = seq.accum_row0 + (bidh_kv * params.head_ratio + i) * params.accum_head_stride;
-      float* dq_accum = params.dq_accum + row0 * kHeadDim + warp_group * Traits::kdQChunk;
-      int* semaphore = params.dq_semaphore ? params.dq_semaphore + row0 / kBlockM : nullptr;
-#pragma unroll 1
-      for (int m_block = m_min; m_block < m_max; ++m_block) {
-        const int s = read.index();
-        pipeline.consumer_wait(read);
-        warpgroup_gemm</*zero_init=*/true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, s), tSrS);
-        warpgroup_gemm<true, -1>(mma_sdp, tSrV, tSrdO(_, _, _, s), tSrdP);
-        warpgroup_wait<1>();
-        warpgroup_fence_operand(tSrS);
-        const float* lse_s = &sLse(query_thr, s);
-        const float* dpsum_s = &sDpsum(query_thr, s);
-        probabilities(params, seq.bm, tSrS_rc, tScS_rc, tScS0_rc, lse_s, n_block, m_block);
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(tSrdP);
-        ds_from_dp(params, tSrdP_rc, tSrS_rc, tScS0_rc, dpsum_s, lse_s);
-        convert_fragment(tSrS, tPrP);
-        convert_fragment(tSrdP, tdSrdS);
-        // Buffer = step parity (the stage index): the other warpgroup passed this step's barrier only after
-        // its GEMMs of two steps ago, the last readers of this buffer, retired.
-        static_assert(Traits::kStages % 2 == 0, "P/dS buffer parity follows the stage index");
-        const int buf = s & 1;
-        copy(smem_copy_PdS, smem_thr_copy_PdS.retile_S(tPrP), tPsPt(_, _, _, buf));
-        copy(smem_copy_PdS, smem_thr_copy_PdS.retile_S(tdSrdS), tdSsdSt(_, _, _, buf));
-        cutlass::arch::fence_view_async_shared();
-        named_barrier_sync(Traits::kNumMmaThreads, int(BwdBarrier::kdS));
-        // dQ first, so its reductions below run while the dV and dK GEMMs still occupy the tensor cores.
-        warpgroup_gemm<true, -1>(mma_dq, tdQrdS(_, _, _, buf), tdQrKt, tdQrdQ);
-        warpgroup_gemm<false, -1>(mma_dkv, tdVrPt(_, _, _, buf), tdVrdOt(_, _, _, s), tdVrdV);
-        warpgroup_gemm<false, -1>(mma_dkv, tdKrdSt(_, _, _, buf), tdKrQt(_, _, _, s), tdKrdK);
-        warpgroup_wait<2>();
-        warpgroup_fence_operand(tdQrdQ);
-
-        // dQ: deterministic mode takes turns as the narrow kernel's writer warp does (one poller, then
-        // a barrier of both consumer warpgroups; release after every thread's reductions are visible).
-        if (semaphore != nullptr) {
-          if (thread_idx == 0) {
-            while (load_acquire_gpu(semaphore + m_block) != turn(seq.bm, n_block, m_block)) {
-            }
-          }
-          named_barrier_sync(Traits::kNumMmaThreads, int(BwdBarrier::kdQFull0));
-        }
-        float4* dst = reinterpret_cast<float4*>(dq_accum + int64_t(m_block) * kBlockM * kHeadDim);
-#pragma unroll
-        for (int e = 0; e < size(tdQrdQ); e += 4) {
-          red_add_f32x4(dst + (e / 4) * 128 + wg_thread,
-                        make_float4(tdQrdQ(e), tdQrdQ(e + 1), tdQrdQ(e + 2), tdQrdQ(e + 3)));
-        }
-        if (semaphore != nullptr) {
-          __threadfence();
-          named_barrier_sync(Traits::kNumMmaThreads, int(BwdBarrier::kdQFull0));
-          if (thread_idx == 0) release_increment_gpu(semaphore + m_block);
-        }
-        warpgroup_wait<0>();  // dV and dK, the last readers of this Q/dO stage
-        warpgroup_fence_operand(tdVrdV);
-        warpgroup_fence_operand(tdKrdK);
-        if (wg_thread == 0) pipeline.consumer_release(read);
-        ++read;
-      }
-    }
-  }
-
-  // dK (scaled by softmax_scale: S = scale * Q K^T) and dV to global memory, rows past seqlen_k skipped, as
-  // 16-byte row pieces through a staging tile over the Q and dO buffers (store_staged). Straight from the
-  // accumulators (4-byte pairs, 8 rows a warp instruction) they took ~9.2k cycles a CTA on the H200, 7% of a
-  // 4096-window CTA at hdim 128 (tools/trace_tiles.py, docs/perf_notes.md session 9). The persistent kernel
-  // stores its own way (kernel_bwd_persistent_sm90.hpp).
-  template <class FragKV>
-  CUTE_DEVICE void store(Params const& params, SharedStorage& smem, FragKV const& tdKrdK, FragKV const& tdVrdV,
-                         int thread_idx, int n_block, int bidh_kv, Seq const& seq) const {
-    typename Traits::TiledMmadKV mma_dkv;
-    auto thr_dkv = mma_dkv.get_thread_slice(thread_idx);
-    Tensor tdKVcdKV = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-    // The tile spans smem.q and smem.dout, adjacent members (1024-aligned, sizes multiples of 1024).
-    constexpr int kTileBytes = kBlockN * staged_pitch<kHeadDim> * int(sizeof(Element));
-    static_assert(sizeof(smem.q) % 1024 == 0 && kTileBytes <= int(sizeof(smem.q) + sizeof(smem.dout)),
-                  "the dK / dV staging tile must fit in the Q and dO buffers");
-    Element* tile = smem.q.data();
-    auto sync = [] { named_barrier_sync(Traits::kNumMmaThreads, int(BwdBarrier::kEpilogue)); };
-    // Both warpgroups' GEMMs (each one's dQ GEMM reads the other's dS, its dK GEMM the last Q stage) are done
-    // past this barrier, and the producer has no load left in flight.
-    sync();
-    const int rows = seq.info.seqlen_k - n_block * kBlockN;
-    auto write = [&](FragKV const& acc, void* base, int64_t batch_stride, int64_t row_stride, int64_t head_stride,
-                     float scale) {
-      Element* out = static_cast<Element*>(base) + seq.info.batch * batch_stride + bidh_kv * head_stride +
-                     (int64_t(seq.info.offset_k) + n_block * kBlockN) * row_stride;
-      store_staged<Element, kBlockN, kHeadDim, Traits::kNumMmaThreads>(
-          tdKVcdKV, [&](int e) { return acc(e); }, scale, out, row_stride, rows, tile, 0, thread_idx, sync);
-    };
-    write(tdKrdK, params.dk, params.dk_batch_stride, params.dk_row_stride, params.dk_head_stride,
-          params.softmax_scale);
-    sync();  // every thread has read dK's rows out of the tile
-    write(tdVrdV, params.dv, params.dv_batch_stride, params.dv_row_stride, params.dv_head_stride, 1.f);
-  }
-
-  // The Q / dO pipeline: warpgroup 0 produces, each consumer warpgroup releases once per stage.
-  CUTE_DEVICE static typename Traits::PipelineQdO make_pipeline(SharedStorage& smem, int warp_group) {
-    return typename Traits::PipelineQdO(
-        smem.pipeline_qdo,
-        tma_pipeline_params<typename Traits::PipelineQdO>(Traits::kTmaBytesQdO, warp_group, Traits::kNumMmaWarpGroups),
-        Shape<_1, _1, _1>{});
-  }
+  static dim3 grid(BwdParams const& p) { return dim3(Mainloop::num_n_blocks(p), p.nheads_kv, p.batch); }
 
   CUTE_DEVICE void operator()(Params const& params, char* smem_buf) const {
     using namespace cutlass;
     SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_buf);
+    Mainloop mainloop;
+    Epilogue epilogue;
     const int warp_group = canonical_warp_group_idx();
     const int warp_idx = canonical_warp_idx_sync();
     if (warp_idx == 0 && cute::elect_one_sync()) {
       smem.barrier_kv.init(/*arrive_count=*/1);
     }
-    typename Traits::PipelineQdO pipeline = make_pipeline(smem, warp_group);
+    typename Traits::PipelineQdO pipeline = Mainloop::make_pipeline(smem, warp_group);
     __syncthreads();
 
-    // Deterministic causal dQ goes from the last key block down (turn()), so key block n waits for n + 1.
-    // Launching the key blocks in that order means every CTA waits only for CTAs launched before it; in
-    // ascending order a sequence with more key blocks than resident CTAs would have every resident CTA
-    // waiting for one that cannot start (a hang). Otherwise ascending: the heavy causal blocks go first.
-    // Masked launches take heads in groups (tile_order.hpp); within a head the order above still holds.
+    // Masked launches take heads in groups (tile_order.hpp); within a head the key blocks go in the order
+    // Epilogue::n_block_of gives (descending for deterministic causal dQ).
     const int linear = linear_cta();
     const TraceRow trace{params.trace, linear};
-    if (threadIdx.x == 0) trace.stamp(1);
+    if (threadIdx.x == 0) trace.stamp(TraceSlot::kStart);
     const TileCoord tile = this_tile<kMasked>(params.order);
-    const bool reversed = kCausal && params.dq_semaphore != nullptr;
-    const int n_block = reversed ? int(gridDim.x) - 1 - tile.block : tile.block;
+    const int n_block = Epilogue::n_block_of(params.epilogue, tile.block, int(gridDim.x));
     const int bidh_kv = tile.head, bidb = tile.batch;
-    const Seq seq = seq_of(params, bidb);
+    const typename Mainloop::Seq seq = Mainloop::seq_of(params.mainloop, bidb);
     // Packed batches: the grid covers the longest sequence; blocks past this one's keys have nothing to do.
     if (n_block * kBlockN >= seq.info.seqlen_k) return;
     if (threadIdx.x == 0) {
       int m_min, m_max;
-      m_block_range(seq, n_block, m_min, m_max);
+      Mainloop::m_block_range(seq, n_block, m_min, m_max);
       trace_info(params.trace, linear, uint32_t(cute::max(0, m_max - m_min)));
     }
     if (warp_group == 0) {
       arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
       const int warp = warp_idx % 4;
       if (warp == 0 && threadIdx.x == 0) {
-        trace.stamp(8);
+        trace.stamp(TraceSlot::kProducerStart);
         auto state = cutlass::make_producer_start_state<typename Traits::PipelineQdO>();
-        load(params, pipeline, smem, n_block, bidh_kv, seq, state, [](auto&&) {}, trace);
+        mainloop.load(params.mainloop, pipeline, smem, n_block, bidh_kv, seq, state, [](auto&&) {}, trace);
       }
       if constexpr (!Traits::kWide) {
         if (warp == 1) {
-          store_dq(params, smem, n_block, bidh_kv, seq);
+          epilogue.store_dq(params.epilogue, smem, n_block, bidh_kv, params.mainloop.head_ratio, seq);
           bulk_wait_all();  // async groups are per thread: the lane that issued them waits, the others pass
-          if (cute::elect_one_sync()) trace.stamp(6);
+          if (cute::elect_one_sync()) trace.stamp(TraceSlot::kEpilogueDone);
         }
       }
     } else {
       arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
       const int thread_idx = int(threadIdx.x) - 128;
-      if (thread_idx == 0) trace.stamp(10);
+      if (thread_idx == 0) trace.stamp(TraceSlot::kConsumerRegs);
       typename Traits::TiledMmadKV mma_dkv;
       Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
       Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
       if constexpr (Traits::kWide) {
-        mma_wide(params, pipeline, smem, tdKrdK, tdVrdV, thread_idx, n_block, bidh_kv, seq);
+        mainloop.mma_wide(params.mainloop, pipeline, smem, epilogue, params.epilogue, tdKrdK, tdVrdV, thread_idx,
+                          n_block, bidh_kv, seq);
       } else {
         typename Traits::PipelineState read;
-        mma(params, pipeline, smem, tdKrdK, tdVrdV, thread_idx, n_block, seq, read, /*kv_phase=*/0, [] {}, trace);
+        mainloop.mma(params.mainloop, pipeline, smem, epilogue, tdKrdK, tdVrdV, thread_idx, n_block, seq, read,
+                     /*kv_phase=*/0, [] {}, trace);
       }
-      store(params, smem, tdKrdK, tdVrdV, thread_idx, n_block, bidh_kv, seq);
-      if (thread_idx == 0) trace.stamp(5);
-      if (thread_idx == 128) trace.stamp(7);
+      epilogue.store(params.epilogue, smem, tdKrdK, tdVrdV, thread_idx, n_block, bidh_kv, seq);
+      if (thread_idx == 0) trace.stamp(TraceSlot::kMmaDone);
+      if (thread_idx == 128) trace.stamp(TraceSlot::kWg1MmaDone);
     }
   }
 };

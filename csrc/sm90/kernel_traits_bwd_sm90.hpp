@@ -25,14 +25,16 @@ namespace flash4 {
 
 using namespace cute;
 
-template <class Element_, int kHeadDim_, int kStages_>
+// kBlockM, kBlockN, kStages: bwd_tile_sm90 (common/tile_size.h).
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
 struct BwdTraitsSm90 {
   using Element = Element_;
   static constexpr bool kWide = false;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = 64;   // queries per step
-  static constexpr int kBlockN = 128;  // keys per CTA
+  static constexpr int kBlockM = kBlockM_;  // queries per step
+  static constexpr int kBlockN = kBlockN_;  // keys per CTA
   static constexpr int kStages = kStages_;
+  static_assert(kBlockN == 128 && kBlockM == 64, "64 keys per consumer warpgroup (one WGMMA M-atom), 64 queries");
   // dK and dV accumulators (64 x head_dim fp32 each per warpgroup) must fit beside S^T, dP^T and dQ.
   static_assert(kHeadDim <= 128, "the sm90 backward handles head_dim <= 128 so far");
 
@@ -121,14 +123,15 @@ struct BwdTraitsSm90 {
 //   dQ[:, half w]  = dS K[:, half w]                                                  (SS, as the narrow kernel)
 // and dQ goes straight from registers to dq_accum with 16-byte reductions in the post-pass's order (its
 // shared-memory staging would not fit beside two Q/dO stages at head dim 256).
-template <class Element_, int kHeadDim_, int kStages_>
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
 struct BwdWideTraitsSm90 {
   using Element = Element_;
   static constexpr bool kWide = true;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = 64;  // queries per step
-  static constexpr int kBlockN = 64;  // keys per CTA
+  static constexpr int kBlockM = kBlockM_;  // queries per step
+  static constexpr int kBlockN = kBlockN_;  // keys per CTA
   static constexpr int kStages = kStages_;
+  static_assert(kBlockN == 64 && kBlockM == 64, "one WGMMA M-atom of keys, 32 queries per warpgroup for S^T");
   static_assert(kHeadDim > 128 && kHeadDim <= 256 && kHeadDim % 32 == 0);
 
   static constexpr int kNumMmaWarpGroups = 2;

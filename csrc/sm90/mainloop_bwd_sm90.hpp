@@ -1,0 +1,466 @@
+// sm90 backward mainloop (see kernel_traits_bwd_sm90.hpp for the math and the tiling): the producer's TMA
+// loads (K and V of the CTA's key block once, then Q, dO, lse_log2 and D per query block into a two-stage
+// pipeline) and the consumer warpgroups' steps (S^T, dP^T, P^T, dS^T, dV, dK and dQ on WGMMA). dK and dV stay
+// in the caller's registers; dQ of every step is handed to the epilogue (epilogue_bwd_sm90.hpp).
+//
+// Two step bodies: mma() for head dims <= 128 (BwdTraitsSm90: the warpgroups split the keys) and mma_wide()
+// for 192 / 256 (BwdWideTraitsSm90: they split head_dim). docs/design.md, "sm90 backward".
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "../common/block_info.hpp"
+#include "../common/fragment.hpp"
+#include "../common/sync.hpp"
+#include "../common/trace.hpp"
+#include "../params.h"
+#include "kernel_traits_bwd_sm90.hpp"
+#include "softmax_bwd_sm90.hpp"
+#include "utils_sm90.hpp"
+
+namespace flash4 {
+
+using namespace cute;
+
+template <class Traits_, bool kCausal, bool kLocal>
+struct MainloopBwdSm90 {
+  using Traits = Traits_;
+  using Element = typename Traits::Element;
+  static constexpr int kBlockM = Traits::kBlockM;
+  static constexpr int kBlockN = Traits::kBlockN;
+  static constexpr int kHeadDim = Traits::kHeadDim;
+  using SharedStorage = typename Traits::SharedStorage;
+  using Mask = BlockMask<kBlockM, kBlockN, kCausal, kLocal>;
+  using Scores = ScoresBwdSm90<kBlockM, kBlockN>;
+
+  using ShapeT = Shape<int32_t, int32_t, int32_t, int32_t>;  // (seqlen, head_dim, heads, batch)
+  using StrideT = Stride<int64_t, _1, int64_t, int64_t>;
+  using ShapeRow = Shape<int32_t, int32_t, int32_t>;  // (scratch rows, heads, batch)
+  using StrideRow = Stride<_1, int64_t, int64_t>;
+  using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
+  using TileK = Shape<Int<kBlockN>, Int<kHeadDim>>;
+  using TileRow = Shape<Int<kBlockM>>;
+
+  template <class Stride, class Shape_, class SmemLayout, class Tile, class T = Element>
+  using TmaLoad = decltype(make_tma_copy(SM90_TMA_LOAD{},
+                                         make_tensor(make_gmem_ptr(static_cast<T const*>(nullptr)), Shape_{},
+                                                     Stride{}),
+                                         SmemLayout{}, Tile{}, _1{}));
+  using TmaQ = TmaLoad<StrideT, ShapeT, decltype(take<0, 2>(typename Traits::SmemLayoutQ{})), TileQ>;
+  using TmaK = TmaLoad<StrideT, ShapeT, typename Traits::SmemLayoutK, TileK>;
+  using TmaV = TmaLoad<StrideT, ShapeT, typename Traits::SmemLayoutV, TileK>;
+  using TmaRow = TmaLoad<StrideRow, ShapeRow, Layout<TileRow>, TileRow, float>;
+
+  struct Params {
+    TmaQ tma_q, tma_do;
+    TmaK tma_k;
+    TmaV tma_v;
+    TmaRow tma_lse, tma_dpsum;
+    ShapeT shape_q, shape_k;
+    ShapeRow shape_row;
+    int64_t accum_batch_stride;  // scratch rows (see BwdParams)
+    int seqlen_q, seqlen_k, head_ratio;
+    // P = exp2(s * scale_log2 - lse_log2); with softcap s is tanh(s * softcap_scale) and scale_log2 =
+    // softcap * log2(e) (softcap_scale = 0: none).
+    float scale_log2, softcap_scale;
+    int window_left, window_right;
+    const int* cu_seqlens_q;
+    const int* cu_seqlens_k;
+    const int* seqused_q;
+    const int* seqused_k;
+  };
+
+  // Key blocks of a (head, batch): the grid's x extent, and the launch order's block extent.
+  static int num_n_blocks(BwdParams const& p) { return (p.seqlen_k + kBlockN - 1) / kBlockN; }
+
+  // Sliding windows: the key blocks whose window the sequence end cuts are seen by fewer query blocks than the
+  // rest; they go last (tile_order.hpp). A window wider than half the sequence grows like causal: the grouped
+  // order stays (see the forward's).
+  static int tail_blocks(BwdParams const& p) {
+    if (!kLocal) return 0;
+    const int num_blocks = num_n_blocks(p);
+    const int tail = (p.window_left + 1) / kBlockN + 2;  // the last keys, whose window ends past the last query
+    return 2 * tail <= num_blocks ? tail : 0;
+  }
+
+  static Params to_params(BwdParams const& p) {
+    auto ptr = [](const void* x) { return make_gmem_ptr(static_cast<Element const*>(x)); };
+    // Packed batches: one batch of all rows, coordinates offset per sequence (see the forward mainloop).
+    const bool packed = p.cu_seqlens_q != nullptr;
+    const int batch = packed ? 1 : p.batch;
+    ShapeT shape_q = make_shape(packed ? p.total_q : p.seqlen_q, p.head_dim, p.nheads_q, batch);
+    ShapeT shape_k = make_shape(packed ? p.total_k : p.seqlen_k, p.head_dim, p.nheads_kv, batch);
+    ShapeRow shape_row = make_shape(int(p.accum_head_stride), p.nheads_q, batch);
+    auto row_stride = make_stride(_1{}, p.accum_head_stride, p.accum_batch_stride);
+    Tensor mQ = make_tensor(ptr(p.q), shape_q, make_stride(p.q_row_stride, _1{}, p.q_head_stride, p.q_batch_stride));
+    Tensor mdO = make_tensor(ptr(p.dout), shape_q,
+                             make_stride(p.dout_row_stride, _1{}, p.dout_head_stride, p.dout_batch_stride));
+    Tensor mK = make_tensor(ptr(p.k), shape_k, make_stride(p.k_row_stride, _1{}, p.k_head_stride, p.k_batch_stride));
+    Tensor mV = make_tensor(ptr(p.v), shape_k, make_stride(p.v_row_stride, _1{}, p.v_head_stride, p.v_batch_stride));
+    Tensor mLse = make_tensor(make_gmem_ptr(static_cast<float const*>(p.lse_log2)), shape_row, row_stride);
+    Tensor mDpsum = make_tensor(make_gmem_ptr(static_cast<float const*>(p.dpsum)), shape_row, row_stride);
+    auto sQ = take<0, 2>(typename Traits::SmemLayoutQ{});
+    return {make_tma_copy(SM90_TMA_LOAD{}, mQ, sQ, TileQ{}, _1{}),
+            make_tma_copy(SM90_TMA_LOAD{}, mdO, sQ, TileQ{}, _1{}),
+            make_tma_copy(SM90_TMA_LOAD{}, mK, typename Traits::SmemLayoutK{}, TileK{}, _1{}),
+            make_tma_copy(SM90_TMA_LOAD{}, mV, typename Traits::SmemLayoutV{}, TileK{}, _1{}),
+            make_tma_copy(SM90_TMA_LOAD{}, mLse, Layout<TileRow>{}, TileRow{}, _1{}),
+            make_tma_copy(SM90_TMA_LOAD{}, mDpsum, Layout<TileRow>{}, TileRow{}, _1{}),
+            shape_q,
+            shape_k,
+            shape_row,
+            p.accum_batch_stride,
+            p.seqlen_q,
+            p.seqlen_k,
+            p.nheads_q / p.nheads_kv,
+            p.score_scale_log2(),
+            p.softcap_scale(),
+            p.window_left,
+            p.window_right,
+            p.cu_seqlens_q,
+            p.cu_seqlens_k,
+            p.seqused_q,
+            p.seqused_k};
+  }
+
+  // Where a CTA's sequence lives, its masks, and the first scratch row of (sequence, query head 0).
+  struct Seq {
+    SeqInfo info;
+    Mask bm;
+    int accum_offset;    // the sequence's first scratch row within its (batch, head) slice
+    int64_t accum_row0;  // the same row counted from the start of the scratch (+ head * accum_head_stride)
+  };
+  CUTE_DEVICE static Seq seq_of(Params const& params, int bidb) {
+    const SeqInfo info = make_seq_info(params.cu_seqlens_q, params.cu_seqlens_k, params.seqused_q,
+                                       params.seqused_k, bidb, params.seqlen_q, params.seqlen_k);
+    const int64_t offset = params.cu_seqlens_q ? padded_row_offset(params.cu_seqlens_q[bidb], bidb) : 0;
+    return {info, Mask(info.seqlen_q, info.seqlen_k, params.window_left, params.window_right), int(offset),
+            info.batch * params.accum_batch_stride + offset};
+  }
+
+  // Query blocks [m_min, m_max) that see at least one key of key block n_block (empty: m_max <= m_min).
+  CUTE_DEVICE static void m_block_range(Seq const& seq, int n_block, int& m_min, int& m_max) {
+    m_min = seq.bm.m_block_min(n_block);
+    m_max = seq.bm.m_block_max(n_block);
+  }
+
+  // `state` carries across the tiles of a persistent CTA; before_kv(prefetch_kv) runs before K and V are loaded
+  // over the previous tile's (the persistent kernel prefetches them into L2 there, then waits until its
+  // consumers are done with the previous ones).
+  template <class BeforeKV>
+  CUTE_DEVICE void load(Params const& params, typename Traits::PipelineQdO& pipeline, SharedStorage& smem,
+                        int n_block, int bidh_kv, Seq const& seq, typename Traits::PipelineState& state,
+                        BeforeKV&& before_kv, TraceRow const& trace) const {
+    const SeqInfo& si = seq.info;
+    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutV{});
+    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutdO{});
+    Tensor sLse = make_tensor(make_smem_ptr(smem.lse_log2.data()), typename Traits::SmemLayoutRow{});
+    Tensor sDpsum = make_tensor(make_smem_ptr(smem.dpsum.data()), typename Traits::SmemLayoutRow{});
+
+    using BarrierT = cutlass::arch::ClusterTransactionBarrier::ValueType;
+    auto rows_k = [&](auto const& t) { return domain_offset(make_coord(si.offset_k, _0{}), t); };
+    auto rows_q = [&](auto const& t) { return domain_offset(make_coord(si.offset_q, _0{}), t); };
+    // The TMA views are already sliced by (head, batch): only the sequence's own offset is added.
+    auto rows_acc = [&](auto const& t) { return domain_offset(make_coord(seq.accum_offset), t); };
+    Tensor gK = local_tile(rows_k(params.tma_k.get_tma_tensor(params.shape_k)(_, _, bidh_kv, si.batch)), TileK{},
+                           make_coord(n_block, _0{}));
+    Tensor gV = local_tile(rows_k(params.tma_v.get_tma_tensor(params.shape_k)(_, _, bidh_kv, si.batch)), TileK{},
+                           make_coord(n_block, _0{}));
+    auto tK = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    auto tV = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+    before_kv([&] {
+      cute::prefetch(params.tma_k, get<0>(tK));
+      cute::prefetch(params.tma_v, get<0>(tV));
+    });
+    smem.barrier_kv.arrive_and_expect_tx(Traits::kTmaBytesKV);
+    copy(params.tma_k.with(reinterpret_cast<BarrierT&>(smem.barrier_kv)), get<0>(tK), get<1>(tK));
+    copy(params.tma_v.with(reinterpret_cast<BarrierT&>(smem.barrier_kv)), get<0>(tV), get<1>(tV));
+    trace.stamp(TraceSlot::kProducerIssued);
+
+    int m_min, m_max;
+    m_block_range(seq, n_block, m_min, m_max);
+    // Not unrolled: the producer warpgroup runs on 24 registers, and unrolled copies of this loop spill.
+#pragma unroll 1
+    for (int i = 0; i < params.head_ratio; ++i) {
+      const int bidh = bidh_kv * params.head_ratio + i;
+      Tensor gQ = local_tile(rows_q(params.tma_q.get_tma_tensor(params.shape_q)(_, _, bidh, si.batch)), TileQ{},
+                             make_coord(_, _0{}));  // (M, D, m)
+      Tensor gdO = local_tile(rows_q(params.tma_do.get_tma_tensor(params.shape_q)(_, _, bidh, si.batch)), TileQ{},
+                              make_coord(_, _0{}));
+      Tensor gLse = local_tile(rows_acc(params.tma_lse.get_tma_tensor(params.shape_row)(_, bidh, si.batch)),
+                               TileRow{}, make_coord(_));  // (M, m)
+      Tensor gDpsum = local_tile(rows_acc(params.tma_dpsum.get_tma_tensor(params.shape_row)(_, bidh, si.batch)),
+                                 TileRow{}, make_coord(_));
+      auto tQ = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+      auto tdO = tma_partition(params.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+      auto tLse = tma_partition(params.tma_lse, _0{}, Layout<_1>{}, group_modes<0, 1>(sLse), group_modes<0, 1>(gLse));
+      auto tDpsum =
+          tma_partition(params.tma_dpsum, _0{}, Layout<_1>{}, group_modes<0, 1>(sDpsum), group_modes<0, 1>(gDpsum));
+#pragma unroll 1
+      for (int m_block = m_min; m_block < m_max; ++m_block) {
+        pipeline.producer_acquire(state);
+        BarrierT* bar = pipeline.producer_get_barrier(state);
+        const int s = state.index();
+        copy(params.tma_q.with(*bar), get<0>(tQ)(_, m_block), get<1>(tQ)(_, s));
+        copy(params.tma_do.with(*bar), get<0>(tdO)(_, m_block), get<1>(tdO)(_, s));
+        copy(params.tma_lse.with(*bar), get<0>(tLse)(_, m_block), get<1>(tLse)(_, s));
+        copy(params.tma_dpsum.with(*bar), get<0>(tDpsum)(_, m_block), get<1>(tDpsum)(_, s));
+        ++state;
+      }
+    }
+  }
+
+  // dQ of every step goes to the epilogue's hand-off to the dQ writer warp (EpilogueBwdSm90::stage_dq).
+  template <class Epilogue, class FragKV, class AfterGemms>
+  CUTE_DEVICE void mma(Params const& params, typename Traits::PipelineQdO& pipeline, SharedStorage& smem,
+                       Epilogue const& epilogue, FragKV& tdKrdK, FragKV& tdVrdV, int thread_idx, int n_block,
+                       Seq const& seq, typename Traits::PipelineState& read, int kv_phase,
+                       AfterGemms&& after_gemms, TraceRow const& trace) const {
+    typename Traits::TiledMmaSdP mma_sdp;
+    typename Traits::TiledMmadKV mma_dkv;
+    typename Traits::TiledMmadQ mma_dq;
+    auto thr_sdp = mma_sdp.get_thread_slice(thread_idx);
+    auto thr_dkv = mma_dkv.get_thread_slice(thread_idx);
+    auto thr_dq = mma_dq.get_thread_slice(thread_idx);
+    const int warp_group = thread_idx / 128, wg_thread = thread_idx % 128;
+
+    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutV{});
+    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutdO{});
+    Tensor sQt = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQt{});
+    Tensor sdOt = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutdOt{});
+    Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKt{});
+    Tensor sdS = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutdS{});
+    Tensor sLse = make_tensor(make_smem_ptr(smem.lse_log2.data()), typename Traits::SmemLayoutRow{});
+    Tensor sDpsum = make_tensor(make_smem_ptr(smem.dpsum.data()), typename Traits::SmemLayoutRow{});
+
+    // S^T = K Q^T and dP^T = V dO^T: A = this warpgroup's 64 keys, B = the stage's queries.
+    Tensor tSrK = thr_sdp.partition_fragment_A(sK);
+    Tensor tSrV = thr_sdp.partition_fragment_A(sV);
+    Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);    // (MMA, N, K, stage)
+    Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);  // (MMA, N, K, stage)
+    // dV += P^T dO, dK += dS^T Q: B = dO^T / Q^T.
+    Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);  // (MMA, N, K, stage)
+    Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt);
+    // dQ = dS K; this warpgroup computes head_dim columns [w * D/2, (w + 1) * D/2).
+    Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);  // (MMA, M, K, buffer)
+    Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
+
+    using TileS = Shape<Int<kBlockN>, Int<kBlockM>>;
+    Tensor tSrS = partition_fragment_C(mma_sdp, TileS{});
+    Tensor tSrdP = partition_fragment_C(mma_sdp, TileS{});
+    Tensor tSrS_rc = make_tensor(tSrS.data(), acc_rowcol_layout(tSrS.layout()));
+    Tensor tSrdP_rc = make_tensor(tSrdP.data(), acc_rowcol_layout(tSrdP.layout()));
+    Tensor tScS = thr_sdp.partition_C(make_identity_tensor(TileS{}));  // (key, query) in the tile
+    Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol_layout(tScS.layout()));
+    // A thread's query columns are its first one plus offsets that are the same for every thread: taken from
+    // thread 0's slice they fold to immediates, so lse_log2 and D are read off one base pointer per stage
+    // (per-column addresses cost registers and spilled).
+    Tensor tScS0 = mma_sdp.get_thread_slice(0).partition_C(make_identity_tensor(TileS{}));
+    Tensor tScS0_rc = make_tensor(tScS0.data(), acc_rowcol_layout(tScS0.layout()));
+    const int query_thr = get<1>(tScS_rc(0, 0));
+    Tensor tPrP_acc = make_tensor<Element>(tSrS.layout());
+    Tensor tPrP = make_tensor(tPrP_acc.data(), acc_as_a_operand_layout(tSrS.layout()));
+    Tensor tdSrdS_acc = make_tensor<Element>(tSrS.layout());
+    Tensor tdSrdS = make_tensor(tdSrdS_acc.data(), acc_as_a_operand_layout(tSrS.layout()));
+    // The dS buffer seen as (keys, queries, buffer), the accumulator's orientation, for stmatrix.
+    Tensor sdSt = make_tensor(sdS.data(), select<1, 0, 2>(sdS.layout()));
+    auto smem_copy_dS = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
+    auto smem_thr_copy_dS = smem_copy_dS.get_thread_slice(thread_idx);
+    Tensor tdSsdS = smem_thr_copy_dS.partition_D(sdSt);
+    Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    static_assert(decltype(size(tdQrdQ))::value * 128 == Traits::kdQChunk);
+
+    clear(tdKrdK);
+    clear(tdVrdV);
+    int m_min, m_max;
+    m_block_range(seq, n_block, m_min, m_max);
+    if (m_min < m_max) epilogue.start_dq(warp_group, wg_thread);
+    smem.barrier_kv.wait(kv_phase);
+    if (thread_idx == 0) trace.stamp(TraceSlot::kFirstKV);
+
+    // The stage of this tile's previous step (-1: none yet), released once the next step's S^T has retired.
+    // Only its index is kept (consumer_release reads nothing else): registers are at their limit here.
+    int prev_stage = -1;
+    for (int i = 0; i < params.head_ratio; ++i) {
+      for (int m_block = m_min; m_block < m_max; ++m_block) {
+        const int s = read.index();
+        pipeline.consumer_wait(read);
+        // K's and V's descriptors are the same every step, but made here from an opaque base: precomputed
+        // for every k-step before the loop they took 32 registers, and the persistent kernel spilled them.
+        warpgroup_gemm</*zero_init=*/true, -1>(mma_sdp, opaque_descriptors(tSrK), tSrQ(_, _, _, s), tSrS);
+        warpgroup_gemm<true, -1>(mma_sdp, opaque_descriptors(tSrV), tSrdO(_, _, _, s), tSrdP);
+        // S^T has retired, and with it the previous step's dK GEMM, the last reader of that step's stage.
+        warpgroup_wait<1>();
+        warpgroup_fence_operand(tSrS);
+        if (prev_stage >= 0 && wg_thread == 0) pipeline.consumer_release(stage_state(prev_stage));
+
+        const float* lse_s = &sLse(query_thr, s);
+        const float* dpsum_s = &sDpsum(query_thr, s);
+        Scores::probabilities(params, seq.bm, tSrS_rc, tScS_rc, tScS0_rc, lse_s, n_block, m_block);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tSrdP);
+        Scores::ds_from_dp(params, tSrdP_rc, tSrS_rc, tScS0_rc, dpsum_s, lse_s);
+        convert_fragment(tSrS, tPrP_acc);
+        convert_fragment(tSrdP, tdSrdS_acc);
+
+        // dS (queries x keys) to shared memory for the dQ GEMM. Buffer = step parity (the stage index, with
+        // an even number of stages): the other warpgroup may still be reading the previous step's buffer,
+        // but it passed this step's barrier only after its dQ GEMM of two steps ago retired, so this buffer
+        // is free. Queries are contiguous in the buffer, as
+        // in the accumulator's 8x8 blocks, so stmatrix stores four blocks per instruction (per-element
+        // swizzled addresses cost registers and spilled).
+        static_assert(Traits::kStages % 2 == 0, "dS buffer parity follows the stage index");
+        const int buf = s & 1;
+        copy(smem_copy_dS, smem_thr_copy_dS.retile_S(tdSrdS_acc), tdSsdS(_, _, _, buf));
+        warpgroup_gemm<false, -1>(mma_dkv, tPrP, tdVrdOt(_, _, _, s), tdVrdV);
+        cutlass::arch::fence_view_async_shared();
+        named_barrier_sync(Traits::kNumMmaThreads, int(BwdBarrier::kdS));
+        warpgroup_gemm<true, 1>(mma_dq, tdQrdS(_, _, _, buf), opaque_descriptors(tdQrKt), tdQrdQ);  // dV retired
+        warpgroup_fence_operand(tdVrdV);
+        warpgroup_gemm<false, 1>(mma_dkv, tdSrdS, tdKrQt(_, _, _, s), tdKrdK);  // dQ retired
+        warpgroup_fence_operand(tdQrdQ);
+
+        epilogue.stage_dq(smem, tdQrdQ, warp_group, wg_thread);
+        if (thread_idx == 0 && prev_stage < 0) trace.stamp(TraceSlot::kFirstStep);
+        prev_stage = s;
+        ++read;
+      }
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tdKrdK);
+    after_gemms();
+    if (thread_idx == 0) trace.stamp(TraceSlot::kLoopDone);
+    if (prev_stage >= 0 && wg_thread == 0) pipeline.consumer_release(stage_state(prev_stage));
+  }
+
+  CUTE_DEVICE static typename Traits::PipelineState stage_state(int stage) {
+    return typename Traits::PipelineState(stage, 0u, 0u);
+  }
+
+  // Head dims 192 / 256 (BwdWideTraitsSm90): the warpgroups split queries for S^T and dP^T and head_dim
+  // for dV, dK and dQ; P^T and dS^T meet in shared memory. dQ goes straight to dq_accum with 16-byte
+  // reductions (EpilogueBwdSm90::add_dq).
+  template <class Epilogue, class FragKV>
+  CUTE_DEVICE void mma_wide(Params const& params, typename Traits::PipelineQdO& pipeline, SharedStorage& smem,
+                            Epilogue const& epilogue, typename Epilogue::Params const& epilogue_params,
+                            FragKV& tdKrdK, FragKV& tdVrdV, int thread_idx, int n_block, int bidh_kv,
+                            Seq const& seq) const {
+    typename Traits::TiledMmaSdP mma_sdp;
+    typename Traits::TiledMmadKV mma_dkv;
+    typename Traits::TiledMmadQ mma_dq;
+    auto thr_sdp = mma_sdp.get_thread_slice(thread_idx);
+    auto thr_dkv = mma_dkv.get_thread_slice(thread_idx);
+    auto thr_dq = mma_dq.get_thread_slice(thread_idx);
+    const int warp_group = thread_idx / 128, wg_thread = thread_idx % 128;
+
+    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutV{});
+    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutdO{});
+    Tensor sQt = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQt{});
+    Tensor sdOt = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutdOt{});
+    Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKt{});
+    Tensor sdS = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutdS{});
+    Tensor sdSt = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutdSt{});
+    Tensor sPt = make_tensor(make_smem_ptr(smem.p.data()), typename Traits::SmemLayoutdSt{});
+    Tensor sLse = make_tensor(make_smem_ptr(smem.lse_log2.data()), typename Traits::SmemLayoutRow{});
+    Tensor sDpsum = make_tensor(make_smem_ptr(smem.dpsum.data()), typename Traits::SmemLayoutRow{});
+
+    Tensor tSrK = thr_sdp.partition_fragment_A(sK);
+    Tensor tSrV = thr_sdp.partition_fragment_A(sV);
+    Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);    // (MMA, N, K, stage): this warpgroup's queries
+    Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
+    Tensor tdVrPt = thr_dkv.partition_fragment_A(sPt);    // (MMA, M, K, buffer)
+    Tensor tdKrdSt = thr_dkv.partition_fragment_A(sdSt);
+    Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);  // (MMA, N, K, stage): this warpgroup's head_dim half
+    Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt);
+    Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
+    Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
+
+    using TileS = Shape<Int<kBlockN>, Int<kBlockM>>;
+    Tensor tSrS = partition_fragment_C(mma_sdp, TileS{});
+    Tensor tSrdP = partition_fragment_C(mma_sdp, TileS{});
+    Tensor tSrS_rc = make_tensor(tSrS.data(), acc_rowcol_layout(tSrS.layout()));
+    Tensor tSrdP_rc = make_tensor(tSrdP.data(), acc_rowcol_layout(tSrdP.layout()));
+    Tensor tScS = thr_sdp.partition_C(make_identity_tensor(TileS{}));
+    Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol_layout(tScS.layout()));
+    Tensor tScS0 = mma_sdp.get_thread_slice(0).partition_C(make_identity_tensor(TileS{}));  // see mma()
+    Tensor tScS0_rc = make_tensor(tScS0.data(), acc_rowcol_layout(tScS0.layout()));
+    const int query_thr = get<1>(tScS_rc(0, 0));
+    Tensor tPrP = make_tensor<Element>(tSrS.layout());
+    Tensor tdSrdS = make_tensor<Element>(tSrS.layout());
+    auto smem_copy_PdS = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
+    auto smem_thr_copy_PdS = smem_copy_PdS.get_thread_slice(thread_idx);
+    Tensor tPsPt = smem_thr_copy_PdS.partition_D(sPt);
+    Tensor tdSsdSt = smem_thr_copy_PdS.partition_D(sdSt);
+    Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    static_assert(decltype(size(tdQrdQ))::value * 128 == Traits::kdQChunk);
+
+    clear(tdKrdK);
+    clear(tdVrdV);
+    int m_min, m_max;
+    m_block_range(seq, n_block, m_min, m_max);
+    smem.barrier_kv.wait(0);
+
+    typename Traits::PipelineState read;
+#pragma unroll 1
+    for (int i = 0; i < params.head_ratio; ++i) {
+      const auto dq = epilogue.dq_rows(epilogue_params, seq, bidh_kv * params.head_ratio + i, warp_group);
+#pragma unroll 1
+      for (int m_block = m_min; m_block < m_max; ++m_block) {
+        const int s = read.index();
+        pipeline.consumer_wait(read);
+        warpgroup_gemm</*zero_init=*/true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, s), tSrS);
+        warpgroup_gemm<true, -1>(mma_sdp, tSrV, tSrdO(_, _, _, s), tSrdP);
+        warpgroup_wait<1>();
+        warpgroup_fence_operand(tSrS);
+        const float* lse_s = &sLse(query_thr, s);
+        const float* dpsum_s = &sDpsum(query_thr, s);
+        Scores::probabilities(params, seq.bm, tSrS_rc, tScS_rc, tScS0_rc, lse_s, n_block, m_block);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tSrdP);
+        Scores::ds_from_dp(params, tSrdP_rc, tSrS_rc, tScS0_rc, dpsum_s, lse_s);
+        convert_fragment(tSrS, tPrP);
+        convert_fragment(tSrdP, tdSrdS);
+        // Buffer = step parity (the stage index): the other warpgroup passed this step's barrier only after
+        // its GEMMs of two steps ago, the last readers of this buffer, retired.
+        static_assert(Traits::kStages % 2 == 0, "P/dS buffer parity follows the stage index");
+        const int buf = s & 1;
+        copy(smem_copy_PdS, smem_thr_copy_PdS.retile_S(tPrP), tPsPt(_, _, _, buf));
+        copy(smem_copy_PdS, smem_thr_copy_PdS.retile_S(tdSrdS), tdSsdSt(_, _, _, buf));
+        cutlass::arch::fence_view_async_shared();
+        named_barrier_sync(Traits::kNumMmaThreads, int(BwdBarrier::kdS));
+        // dQ first, so its reductions below run while the dV and dK GEMMs still occupy the tensor cores.
+        warpgroup_gemm<true, -1>(mma_dq, tdQrdS(_, _, _, buf), tdQrKt, tdQrdQ);
+        warpgroup_gemm<false, -1>(mma_dkv, tdVrPt(_, _, _, buf), tdVrdOt(_, _, _, s), tdVrdV);
+        warpgroup_gemm<false, -1>(mma_dkv, tdKrdSt(_, _, _, buf), tdKrQt(_, _, _, s), tdKrdK);
+        warpgroup_wait<2>();
+        warpgroup_fence_operand(tdQrdQ);
+
+        epilogue.add_dq(dq, tdQrdQ, seq.bm, n_block, m_block, thread_idx);
+        warpgroup_wait<0>();  // dV and dK, the last readers of this Q/dO stage
+        warpgroup_fence_operand(tdVrdV);
+        warpgroup_fence_operand(tdKrdK);
+        if (wg_thread == 0) pipeline.consumer_release(read);
+        ++read;
+      }
+    }
+  }
+
+  // The Q / dO pipeline: warpgroup 0 produces, each consumer warpgroup releases once per stage.
+  CUTE_DEVICE static typename Traits::PipelineQdO make_pipeline(SharedStorage& smem, int warp_group) {
+    return typename Traits::PipelineQdO(
+        smem.pipeline_qdo,
+        tma_pipeline_params<typename Traits::PipelineQdO>(Traits::kTmaBytesQdO, warp_group, Traits::kNumMmaWarpGroups),
+        Shape<_1, _1, _1>{});
+  }
+
+};
+
+}  // namespace flash4
