@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -11,7 +12,23 @@ torch = pytest.importorskip("torch")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import trace_tiles  # noqa: E402
 
-SLOTS = 24  # words a CTA: kTraceSlots in csrc/common/trace.hpp
+ROOT = Path(__file__).resolve().parents[1]
+SLOTS = int(re.search(r"kTraceSlots = (\d+);", (ROOT / "csrc/common/trace.hpp").read_text()).group(1))
+
+
+def test_slots_come_from_the_enum_and_kernels_stamp_only_named_slots():
+    slot = trace_tiles.SLOT
+    assert slot["kInfo"] == 0 and len(set(slot.values())) == len(slot) and max(slot.values()) < SLOTS
+    stamps = []
+    for f in (ROOT / "csrc").rglob("*.hpp"):
+        stamps += re.findall(r"\bstamp\(([^()]*)\)", f.read_text())
+        stamps += re.findall(r"trace_stamp\([^;]*?,\s*([^,()]+)\)", f.read_text())
+    assert len(stamps) > 30
+    for arg in stamps:
+        if arg.strip() in ("TraceSlot slot", "slot"):  # the declarations and forwarding in trace.hpp
+            continue
+        m = re.fullmatch(r"TraceSlot::(k\w+)", arg.strip())
+        assert m and m.group(1) in slot, f"stamp({arg}) is not a TraceSlot name"
 
 
 def _row(sm: int, blocks: int, stamps: dict[int, int]) -> list[int]:
@@ -54,10 +71,25 @@ def test_missing_stamps_are_left_out_and_no_stamps_is_an_error():
 
 
 def test_forward_warpgroup1_lag_and_phases():
-    # Thread 0: K ready at 25, loop done at 50, epilogue done at 70; warpgroup 1's leader 10 cycles behind at the
-    # first K (15), its prologue 30 cycles (15 -> 16), its loop done at 65 (17), tail to 80 (7), epilogue to 95
-    # (18), which is also the CTA's end.
-    stamps = {1: 1, 11: 20, 2: 25, 3: 40, 14: 45, 4: 50, 5: 60, 6: 70, 19: 22, 15: 35, 16: 65, 17: 65, 7: 80, 18: 95}
+    # Thread 0: K ready at 25, loop done at 50, epilogue done at 70; warpgroup 1's leader 10 cycles behind at
+    # the first K (15), its prologue 30 cycles (15 -> 16), its loop done at 65 (17), tail to 80 (7), epilogue
+    # to 95 (18), which is also the CTA's end.
+    stamps = {
+        1: 1,
+        11: 20,
+        2: 25,
+        3: 40,
+        14: 45,
+        4: 50,
+        5: 60,
+        6: 70,
+        19: 22,
+        15: 35,
+        16: 65,
+        17: 65,
+        7: 80,
+        18: 95,
+    }
     rows = torch.tensor([_row(1, 2, stamps)], dtype=torch.int64)
     a = trace_tiles.analyse(rows, trace_tiles.FWD_PHASES, trace_tiles.FWD_SIDE, (5, 6, 7, 18))
     side = {k: v["mean_cycles"] for k, v in a["side_cycles_per_cta"].items()}

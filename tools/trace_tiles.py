@@ -4,10 +4,10 @@
     NVCC_APPEND_FLAGS=-DFLASH4_TRACE python3 setup.py build_ext --inplace   # a trace build (not for timing)
     python3 tools/trace_tiles.py --out trace.json
 
-Each CTA of a trace build writes clock64() at a few events (csrc/common/trace.hpp; the stamps sit outside
-the kernels' loops) and the SM it ran on. clock64 counts one SM's cycles, so only stamps of one SM are
-compared: per SM the CTAs are put in start order and the time is split into the gap between one CTA's end and
-the next one's start, and each CTA's phases:
+Each CTA of a trace build writes clock64() at a few events (the TraceSlot enum of csrc/common/trace.hpp, read
+by this script; the stamps sit outside the kernels' loops) and the SM it ran on. clock64 counts one SM's
+cycles, so only stamps of one SM are compared: per SM the CTAs are put in start order and the time is split
+into the gap between one CTA's end and the next one's start, and each CTA's phases:
 
   forward:  start -> consumer registers (setmaxnreg) -> Q ready -> first K ready -> first block's softmax
             done (prologue) -> first loop step -> loop done -> last P V and normalization (tail) -> epilogue
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -34,39 +35,59 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+
+def _slots(header: Path = ROOT / "csrc" / "common" / "trace.hpp") -> dict[str, int]:
+    """Names and numbers of `enum class TraceSlot` in csrc/common/trace.hpp, the one list of trace slots."""
+    text = header.read_text()
+    body = re.search(r"enum class TraceSlot : int \{(.*?)\};", text, re.S)
+    if body is None:
+        raise RuntimeError(f"no `enum class TraceSlot` in {header}")
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"\b(k\w+) = (\d+),", body.group(1))}
+
+
+SLOT = _slots()
+
+
+def _chain(*steps: tuple[str, str, str]) -> list[tuple[str, int, int]]:
+    return [(name, SLOT[a], SLOT[b]) for name, a, b in steps]
+
+
 # (name, from slot, to slot): the chain of consumer thread 0 first (it adds up to the CTA's time), then side
-# measurements. Slots: common/trace.hpp's callers in kernel_{fwd,bwd}_sm90.hpp and mainloop_fwd_sm90.hpp.
-FWD_PHASES = [
-    ("start->consumer regs", 1, 10),
-    ("regs->Q ready", 10, 11),
-    ("Q->first K ready", 11, 2),
-    ("prologue", 2, 3),
-    ("first loop step", 3, 14),
-    ("rest of loop", 14, 4),
-    ("tail", 4, 5),
-    ("epilogue", 5, 6),
-]
-FWD_SIDE = [
-    ("producer: start->regs", 1, 8),
-    ("producer: ->Q, K issued", 8, 9),
-    ("masked left-edge step", 12, 13),
+# measurements.
+FWD_PHASES = _chain(
+    ("start->consumer regs", "kStart", "kConsumerRegs"),
+    ("regs->Q ready", "kConsumerRegs", "kQReady"),
+    ("Q->first K ready", "kQReady", "kFirstKV"),
+    ("prologue", "kFirstKV", "kFirstStep"),
+    ("first loop step", "kFirstStep", "kFirstLoopStep"),
+    ("rest of loop", "kFirstLoopStep", "kLoopDone"),
+    ("tail", "kLoopDone", "kMmaDone"),
+    ("epilogue", "kMmaDone", "kEpilogueDone"),
+)
+FWD_SIDE = _chain(
+    ("producer: start->regs", "kStart", "kProducerStart"),
+    ("producer: ->Q, K issued", "kProducerStart", "kProducerIssued"),
+    ("masked left-edge step", "kEdgeStepStart", "kEdgeStepEnd"),
     # Warpgroup 1 (thread 128): when it reaches thread 0's events (lag), and its own phases.
-    ("wg1 lag: Q ready", 11, 19),
-    ("wg1 lag: first K ready", 2, 15),
-    ("wg1 lag: loop done", 4, 17),
-    ("wg1 lag: epilogue done", 6, 18),
-    ("wg1: prologue", 15, 16),
-    ("wg1: tail", 17, 7),
-    ("wg1: epilogue", 7, 18),
-]
-BWD_PHASES = [
-    ("start->consumer regs", 1, 10),
-    ("regs->K/V ready", 10, 2),
-    ("first step", 2, 3),
-    ("rest of loop", 3, 4),
-    ("dK/dV store", 4, 5),
-]
-BWD_SIDE = [("producer: start->K/V issued", 1, 9)]
+    ("wg1 lag: Q ready", "kQReady", "kWg1QReady"),
+    ("wg1 lag: first K ready", "kFirstKV", "kWg1FirstKV"),
+    ("wg1 lag: loop done", "kLoopDone", "kWg1LoopDone"),
+    ("wg1 lag: epilogue done", "kEpilogueDone", "kWg1EpilogueDone"),
+    ("wg1: prologue", "kWg1FirstKV", "kWg1FirstStep"),
+    ("wg1: tail", "kWg1LoopDone", "kWg1MmaDone"),
+    ("wg1: epilogue", "kWg1MmaDone", "kWg1EpilogueDone"),
+)
+BWD_PHASES = _chain(
+    ("start->consumer regs", "kStart", "kConsumerRegs"),
+    ("regs->K/V ready", "kConsumerRegs", "kFirstKV"),
+    ("first step", "kFirstKV", "kFirstStep"),
+    ("rest of loop", "kFirstStep", "kLoopDone"),
+    ("dK/dV store", "kLoopDone", "kMmaDone"),
+)
+BWD_SIDE = _chain(("producer: start->K/V issued", "kStart", "kProducerIssued"))
+# The events that can end a CTA: its last stamp is the latest of these.
+FWD_END = tuple(SLOT[n] for n in ("kMmaDone", "kEpilogueDone", "kWg1MmaDone", "kWg1EpilogueDone"))
+BWD_END = tuple(SLOT[n] for n in ("kMmaDone", "kEpilogueDone", "kWg1MmaDone"))
 
 
 def run_traced(fn, slots: int, max_ctas: int) -> torch.Tensor:
@@ -160,13 +181,13 @@ def main() -> int:
     results = {}
     for name, kw in cases.items():
         rows = run_traced(lambda kw=kw: flash_attn4.attn(q, k, v, **kw), slots, max_ctas)
-        results[f"fwd {name}"] = analyse(rows, FWD_PHASES, FWD_SIDE, (5, 6, 7, 18))
+        results[f"fwd {name}"] = analyse(rows, FWD_PHASES, FWD_SIDE, FWD_END)
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         out = flash_attn4.attn(*leaves, **kw)
         dout = torch.randn_like(out)
         grad = lambda o=out, x=leaves, g=dout: torch.autograd.grad(o, x, g, retain_graph=True)  # noqa: E731
         rows = run_traced(grad, slots, max_ctas)
-        results[f"bwd {name}"] = analyse(rows, BWD_PHASES, BWD_SIDE, (5, 6, 7))
+        results[f"bwd {name}"] = analyse(rows, BWD_PHASES, BWD_SIDE, BWD_END)
     for name, a in results.items():
         show(name, a)
     if args.out:

@@ -1,6 +1,6 @@
 // sm90 forward, persistent: one CTA per SM walks the tiles of the launch order (tile_order.hpp), so that the
 // work between two tiles overlaps instead of running alone. Used for sliding windows, whose tiles are short:
-// traces of the one-CTA-per-tile kernel (tools/trace_tiles.py, docs/perf_notes.md session 9) put ~5k of a
+// traces of the one-CTA-per-tile kernel (tools/trace_tiles.py) put ~5k of a
 // 4096-window tile's ~84k cycles between tiles (CTA start and launch order, Q's load, the gap to the next CTA)
 // and ~1k in the wait for O's TMA store.
 //
@@ -171,7 +171,7 @@ struct FwdPersistentKernelSm90 {
       const TraceRow trace{params.trace, linear};
       if (thread_idx == 0) {
         trace_info(params.trace, linear, uint32_t(cute::max(0, t.n_block_max - t.n_block_min)));
-        trace.stamp(1);
+        trace.stamp(TraceSlot::kStart);
       }
       Tensor tOrO = partition_fragment_C(tiled_mma_pv, select<0, 1>(typename Traits::TileShapePV{}));
       constexpr int kRows = decltype(size<0, 1>(tOrO))::value * decltype(size<1>(tOrO))::value;
@@ -181,7 +181,7 @@ struct FwdPersistentKernelSm90 {
         const auto bm = Mainloop::block_mask(params.mainloop, t.seq);
         // Once every Q K^T of this warpgroup has retired, the producer may load the next tile's Q, which then
         // loads under this tile's last P V and epilogue instead of after them (~0.4k cycles a window tile,
-        // docs/perf_notes.md session 15).
+        // tools/trace_tiles.py).
         mainloop.mma(params.mainloop, pipeline_k, pipeline_v, smem, tOrO, softmax, lse, params.lse_scale,
                      thread_idx, t.m_block, bm, t.n_block_min, t.n_block_max, read, q_loads & 1, q_loads == 0,
                      trace, [&] {
@@ -192,12 +192,12 @@ struct FwdPersistentKernelSm90 {
         clear(tOrO);  // no key visible to any row of this tile: out = 0, lse = -inf
         softmax.finalize(params.lse_scale, lse);
       }
-      if (thread_idx == 0) trace.stamp(5);
-      if (thread_idx == 128) trace.stamp(7);
+      if (thread_idx == 0) trace.stamp(TraceSlot::kMmaDone);
+      if (thread_idx == 128) trace.stamp(TraceSlot::kWg1MmaDone);
       epilogue.template store</*kAsync=*/true>(params.epilogue, smem, tOrO, lse, thread_idx, t.m_block, t.bidh,
                                                t.seq);
-      if (thread_idx == 0) trace.stamp(6);
-      if (thread_idx == 128) trace.stamp(18);
+      if (thread_idx == 0) trace.stamp(TraceSlot::kEpilogueDone);
+      if (thread_idx == 128) trace.stamp(TraceSlot::kWg1EpilogueDone);
     }
     if (thread_idx == 0) tma_store_wait<0>();  // O's last store must have read shared memory
   }

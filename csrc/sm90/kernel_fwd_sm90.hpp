@@ -87,7 +87,7 @@ struct FwdKernelSm90 {
     // window tiles near the bottom see the most keys.
     const int linear = linear_cta();
     const TraceRow trace{params.trace, linear};
-    if (threadIdx.x == 0) trace.stamp(1);
+    if (threadIdx.x == 0) trace.stamp(TraceSlot::kStart);
     const TileCoord tile = this_tile<kMasked>(params.order);
     const int m_block = kMasked ? int(gridDim.x) - 1 - tile.block : tile.block;
     const int bidh = tile.head;
@@ -103,9 +103,9 @@ struct FwdKernelSm90 {
     if (warp_group == 0) {
       arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
       if (threadIdx.x == 0) {
-        trace.stamp(8);
+        trace.stamp(TraceSlot::kProducerStart);
         auto prefetch_next = [&] {
-          trace.stamp(9);
+          trace.stamp(TraceSlot::kProducerIssued);
           // Head dims > 128 leave it out: there it spilled 8 B in the 24-register producer, and their tiles,
           // longer in time, hide less of a tile's start (not measured).
           if constexpr (Traits::kHeadDim <= 128) {
@@ -123,7 +123,7 @@ struct FwdKernelSm90 {
     } else {
       arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
       const int thread_idx = int(threadIdx.x) - 128;
-      if (thread_idx == 0) trace.stamp(10);
+      if (thread_idx == 0) trace.stamp(TraceSlot::kConsumerRegs);
       typename Traits::TiledMmaPV tiled_mma_pv;
       Tensor tOrO = partition_fragment_C(tiled_mma_pv, select<0, 1>(typename Traits::TileShapePV{}));
       constexpr int kRows = decltype(size<0, 1>(tOrO))::value * decltype(size<1>(tOrO))::value;
@@ -138,11 +138,11 @@ struct FwdKernelSm90 {
         clear(tOrO);  // no key visible to any row of this tile: out = 0, lse = -inf
         softmax.finalize(params.lse_scale, lse);
       }
-      if (thread_idx == 0) trace.stamp(5);
-      if (thread_idx == 128) trace.stamp(7);
+      if (thread_idx == 0) trace.stamp(TraceSlot::kMmaDone);
+      if (thread_idx == 128) trace.stamp(TraceSlot::kWg1MmaDone);
       epilogue.store(params.epilogue, smem, tOrO, lse, thread_idx, m_block, bidh, seq);
-      if (thread_idx == 0) trace.stamp(6);
-      if (thread_idx == 128) trace.stamp(18);
+      if (thread_idx == 0) trace.stamp(TraceSlot::kEpilogueDone);
+      if (thread_idx == 128) trace.stamp(TraceSlot::kWg1EpilogueDone);
     }
   }
 

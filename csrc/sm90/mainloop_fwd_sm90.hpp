@@ -260,7 +260,7 @@ struct MainloopFwdSm90 {
     // Lazy rescale (OnlineSoftmax::update_lazy) where O is rescaled after the softmax: O is rescaled only in
     // steps where some row of the warp's running max grew by more than 2^8, so the head_dim / 2 multiplies a
     // thread does per step (64 at hdim 128) mostly drop out once the maxima settle; it also changed ptxas's
-    // allocation so that a masked step's mask and max run before the P V wait (docs/perf_notes.md, session 8).
+    // allocation so that a masked step's mask and max run before the P V wait (docs/design.md, "sm90 forward").
     // pmevent keeps the skip a branch (ptxas if-converted such branches on sm80). Head dims > 128 rescale
     // before the GEMM and keep the eager form (the lazy one spilled 24 B at hdim 256).
     [[maybe_unused]] bool rescale_o = false;
@@ -270,23 +270,23 @@ struct MainloopFwdSm90 {
     if (warp_group == 0 && first_mma) named_barrier_arrive(2 * 128, int(FwdBarrier::kWarpGroup0));
 
     smem.barrier_q.wait(q_phase);
-    if (thread_idx == 0) trace.stamp(11);
-    if (thread_idx == 128) trace.stamp(19);  // slots 15-19: warpgroup 1's leader, as 2, 3, 4, 6 and 11 for thread 0
+    if (thread_idx == 0) trace.stamp(TraceSlot::kQReady);
+    if (thread_idx == 128) trace.stamp(TraceSlot::kWg1QReady);
     // K and V of one block share a stage index.
     int n_block = n_block_max - 1;
 
     // Prologue: the last key block always takes the key-length mask (and the causal one).
     pipeline_k.consumer_wait(read);
-    if (thread_idx == 0) trace.stamp(2);
-    if (thread_idx == 128) trace.stamp(15);
+    if (thread_idx == 0) trace.stamp(TraceSlot::kFirstKV);
+    if (thread_idx == 128) trace.stamp(TraceSlot::kWg1FirstKV);
     warpgroup_gemm</*zero_init=*/true, /*wait=*/0>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
     release(pipeline_k, read);
     softcap();
     mask(n_block);
     o_scale = softmax.template update</*first=*/true>(tSrS_rc);
     convert_fragment(tSrS, tOrP_acc);
-    if (thread_idx == 0) trace.stamp(3);
-    if (thread_idx == 128) trace.stamp(16);
+    if (thread_idx == 0) trace.stamp(TraceSlot::kFirstStep);
+    if (thread_idx == 128) trace.stamp(TraceSlot::kWg1FirstStep);
 
     auto step = [&](int n, auto masked) {
       auto read_v = read;  // V of block n + 1
@@ -329,13 +329,13 @@ struct MainloopFwdSm90 {
       const int left_mask_max = bm.n_block_left_mask_max(m_block);
       for (; n_block >= n_block_min; --n_block) {
         if (n_block >= right_mask_min || n_block < left_mask_max) {
-          if (thread_idx == 0 && n_block < left_mask_max) trace.stamp(12);
+          if (thread_idx == 0 && n_block < left_mask_max) trace.stamp(TraceSlot::kEdgeStepStart);
           step(n_block, cute::true_type{});
-          if (thread_idx == 0 && n_block < left_mask_max) trace.stamp(13);
+          if (thread_idx == 0 && n_block < left_mask_max) trace.stamp(TraceSlot::kEdgeStepEnd);
         } else {
           step(n_block, cute::false_type{});
         }
-        if (thread_idx == 0 && n_block == n_block_max - 2) trace.stamp(14);
+        if (thread_idx == 0 && n_block == n_block_max - 2) trace.stamp(TraceSlot::kFirstLoopStep);
       }
     } else {
       if constexpr (kCausal) {
@@ -344,13 +344,13 @@ struct MainloopFwdSm90 {
       }
       for (; n_block >= 0; --n_block) {
         step(n_block, cute::false_type{});
-        if (thread_idx == 0 && n_block == n_block_max - 2) trace.stamp(14);
+        if (thread_idx == 0 && n_block == n_block_max - 2) trace.stamp(TraceSlot::kFirstLoopStep);
       }
     }
 
     // Tail: the last P V, with the row-sum reduction overlapped.
-    if (thread_idx == 0) trace.stamp(4);
-    if (thread_idx == 128) trace.stamp(17);
+    if (thread_idx == 0) trace.stamp(TraceSlot::kLoopDone);
+    if (thread_idx == 128) trace.stamp(TraceSlot::kWg1LoopDone);
     q_done();
     if constexpr (kRescaleBeforeGemm) softmax.rescale(tOrO_rc, o_scale);
     pipeline_v.consumer_wait(read);
