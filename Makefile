@@ -17,7 +17,7 @@ build:  ## compile flash_attn4/_C in place, for working from the source tree
 test:  ## the README's test command; GPU tests skip (with the reason) without a GPU and built kernels
 	$(PYTHON) -m pytest -q tests
 
-bench:  ## full ANCHORS grid, forward and backward -> benchmarks/results/<gpu>_{fwd,bwd}.json + .png; then windows/varlen
+bench:  ## the FlashAttention papers' grid, forward and backward -> benchmarks/results/<gpu>_{fwd,bwd}.json + .png; then windows/varlen
 	$(PYTHON) benchmarks/bench_fwd.py $(BENCH_ARGS)
 	$(PYTHON) benchmarks/bench_fwd.py --bwd $(BENCH_ARGS)
 	$(PYTHON) benchmarks/bench_varlen.py
@@ -48,5 +48,5 @@ format:
 
 clean:
 	rm -rf build dist *.egg-info flash_attn4/_C*.so flash_attn4/_build_config.py \
-		csrc/instantiations csrc/instantiations_check .pytest_cache .ruff_cache .hypothesis
+		csrc/instantiations csrc/instantiations_check_* .pytest_cache .ruff_cache .hypothesis
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

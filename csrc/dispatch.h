@@ -38,13 +38,6 @@ inline const FwdKernelEntry* find_fwd_kernel(int arch, DType dtype, int head_dim
   return nullptr;
 }
 
-inline bool find_any_fwd_kernel(int arch) {
-  for (int i = 0; i < kNumFwdKernels; ++i) {
-    if (kFwdKernels[i].arch == arch) return true;
-  }
-  return false;
-}
-
 using BwdLauncher = void (*)(const BwdParams&, cudaStream_t);
 
 struct BwdKernelEntry {

@@ -49,14 +49,19 @@ int device_arch(const at::Tensor& t) {
   return prop->major * 10 + prop->minor;
 }
 
-// Kernel family for a device, forward and backward (flash_attn4/_build_info.py kernel_arch decides the same): the sm_90a
-// kernels on compute capability 9.0 (arch-specific target, not forward compatible), the sm80 path on 8.x and
-// on 9.x with FLASH_ATTN4_FORCE_SM80=1; 0 = none.
-int fwd_kernel_arch(int arch) {
-  const char* force = std::getenv("FLASH_ATTN4_FORCE_SM80");
-  const bool force80 = force != nullptr && std::string(force) == "1";
-  if (arch == 90 && !force80 && flash4::find_any_fwd_kernel(90)) return 90;
-  return arch >= 80 ? 80 : 0;
+// The kernel family a call asks for (flash_attn4/_build_info.py kernel_arch decides it, FLASH_ATTN4_FORCE_SM80
+// included): 90 runs the sm_90a kernels, an arch-specific target that only compute capability 9.0 executes; 80
+// the Ampere-path kernels, built for sm_80 (and sm_90, so Hopper can run them), any capability from 8.0 on.
+void check_kernel_arch(const at::Tensor& q, int64_t kernel_arch) {
+  const int arch = device_arch(q);
+  TORCH_CHECK(kernel_arch == 90 || kernel_arch == 80,
+              "flash_attn4: kernel_arch must be 90 or 80 (flash_attn4._build_info.kernel_arch picks it), got " +
+                  str(kernel_arch));
+  TORCH_CHECK(kernel_arch != 90 || arch == 90,
+              "flash_attn4: the sm90 kernels run on compute capability 9.0 only; this device is sm_" + str(arch));
+  TORCH_CHECK(kernel_arch != 80 || arch >= 80,
+              "flash_attn4: the Ampere-path kernels need compute capability 8.0 or newer; this device is sm_" +
+                  str(arch));
 }
 
 using OptTensor = std::optional<at::Tensor>;
@@ -84,7 +89,8 @@ const int* check_index(const OptTensor& t, int64_t numel, const at::Tensor& q, c
   return t->data_ptr<int>();
 }
 
-// Mask kernel for (causal, window): causal alone -> the causal kernel; any window side -> kLocal with the
+// Mask kernel for (causal, window), as flash_attn4/_ops.py's _kernel_plan normalizes them: causal alone -> the
+// causal kernel; a window (either side >= 0, -1 = unbounded, never together with causal) -> kLocal with the
 // unbounded side(s) as a value past every length; neither -> no mask.
 Options make_options(const at::Tensor& q, const at::Tensor& k, bool causal, int64_t window_left, int64_t window_right,
                      double softcap, const OptTensor& cu_q, const OptTensor& cu_k, const OptTensor& used_q,
@@ -112,13 +118,14 @@ Options make_options(const at::Tensor& q, const at::Tensor& k, bool causal, int6
   o.used_k = check_index(used_k, o.batch, q, "seqused_k");
   TORCH_CHECK(softcap >= 0.0, "flash_attn4: softcap must be >= 0");
   o.softcap = float(softcap);
+  const bool window = window_left >= 0 || window_right >= 0;
+  TORCH_CHECK(!(causal && window), "flash_attn4: pass causal or a window, not both (causal is window (-1, 0))");
   const int unbounded = o.seqlen_q + o.seqlen_k + 1;
-  if (window_left < 0 && (causal || window_right < 0)) {
-    o.causal = causal;
-  } else {
-    o.local = true;
+  o.causal = causal;
+  o.local = window;
+  if (window) {
     o.window_left = window_left < 0 ? unbounded : int(std::min<int64_t>(window_left, unbounded));
-    o.window_right = causal ? 0 : window_right < 0 ? unbounded : int(std::min<int64_t>(window_right, unbounded));
+    o.window_right = window_right < 0 ? unbounded : int(std::min<int64_t>(window_right, unbounded));
   }
   return o;
 }
@@ -164,7 +171,7 @@ Strides strides(const at::Tensor& t) {
 void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
          double softmax_scale, bool causal, int64_t window_left, int64_t window_right, double softcap,
          const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k, const OptTensor& seqused_q,
-         const OptTensor& seqused_k, int64_t max_seqlen_q, int64_t max_seqlen_k) {
+         const OptTensor& seqused_k, int64_t max_seqlen_q, int64_t max_seqlen_k, int64_t kernel_arch) {
   TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda() && out.is_cuda() && lse.is_cuda(),
               "flash_attn4: all tensors must be on a CUDA device");
   TORCH_CHECK(k.device() == q.device() && v.device() == q.device() && out.device() == q.device() &&
@@ -206,14 +213,13 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
   check_tma_layout(out, "out");
 
   const DType kdtype = dtype == at::kBFloat16 ? DType::kBF16 : DType::kFP16;
-  const int arch = device_arch(q);
-  const int kernel_arch = fwd_kernel_arch(arch);
-  const flash4::FwdKernelEntry* entry = flash4::find_fwd_kernel(kernel_arch, kdtype, int(head_dim), o.causal, o.local);
-  TORCH_CHECK(entry != nullptr,
-              "flash_attn4: no compiled forward kernel for sm_" + str(arch) + ", " +
-                  (kdtype == DType::kBF16 ? "bf16" : "fp16") + ", head_dim " + str(head_dim) + ", " + mask_name(o) +
-                  ". Rebuild with that head dim/dtype in FLASH_ATTN4_HDIMS / FLASH_ATTN4_DTYPES, or use a "
-                  "Hopper GPU.");
+  check_kernel_arch(q, kernel_arch);
+  const flash4::FwdKernelEntry* entry =
+      flash4::find_fwd_kernel(int(kernel_arch), kdtype, int(head_dim), o.causal, o.local);
+  TORCH_CHECK(entry != nullptr, "flash_attn4: no compiled forward kernel for sm" + str(kernel_arch) + ", " +
+                                    (kdtype == DType::kBF16 ? "bf16" : "fp16") + ", head_dim " + str(head_dim) +
+                                    ", " + mask_name(o) +
+                                    ". Rebuild with that head dim/dtype in FLASH_ATTN4_HDIMS / FLASH_ATTN4_DTYPES.");
 
   flash4::FwdParams p;
   set_options(p, o);
@@ -250,7 +256,8 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
          const at::Tensor& out, const at::Tensor& lse, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
          double softmax_scale, bool causal, bool deterministic, const OptTensor& dlse, int64_t window_left,
          int64_t window_right, double softcap, const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k,
-         const OptTensor& seqused_q, const OptTensor& seqused_k, int64_t max_seqlen_q, int64_t max_seqlen_k) {
+         const OptTensor& seqused_q, const OptTensor& seqused_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+         int64_t kernel_arch) {
   using TensorList = std::initializer_list<const at::Tensor*>;
   for (const at::Tensor* t : TensorList{&dout, &q, &k, &v, &out, &lse, &dq, &dk, &dv}) {
     TORCH_CHECK(t->is_cuda() && t->device() == q.device(), "flash_attn4: all tensors must be on q's CUDA device");
@@ -297,11 +304,10 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
   check_tma_layout(dv, "dv");
 
   const DType kdtype = dtype == at::kBFloat16 ? DType::kBF16 : DType::kFP16;
-  const int arch = device_arch(q);
-  const int kernel_arch = fwd_kernel_arch(arch);  // the backward follows the forward's kernel family
+  check_kernel_arch(q, kernel_arch);
   const flash4::BwdKernelEntry* entry =
-      flash4::find_bwd_kernel(kernel_arch, kdtype, int(head_dim), o.causal, o.local);
-  TORCH_CHECK(entry != nullptr, "flash_attn4: no compiled backward kernel for sm_" + str(arch) + ", " +
+      flash4::find_bwd_kernel(int(kernel_arch), kdtype, int(head_dim), o.causal, o.local);
+  TORCH_CHECK(entry != nullptr, "flash_attn4: no compiled backward kernel for sm" + str(kernel_arch) + ", " +
                                     (kdtype == DType::kBF16 ? "bf16" : "fp16") + ", head_dim " + str(head_dim) +
                                     ", " + mask_name(o));
 
@@ -371,13 +377,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("lse"), py::arg("softmax_scale"), py::arg("causal"), py::arg("window_left") = -1,
         py::arg("window_right") = -1, py::arg("softcap") = 0.0, py::arg("cu_seqlens_q") = py::none(),
         py::arg("cu_seqlens_k") = py::none(), py::arg("seqused_q") = py::none(), py::arg("seqused_k") = py::none(),
-        py::arg("max_seqlen_q") = 0, py::arg("max_seqlen_k") = 0);
+        py::arg("max_seqlen_q") = 0, py::arg("max_seqlen_k") = 0, py::arg("kernel_arch") = 0);
   m.def("bwd", &bwd, "Attention backward into preallocated dq/dk/dv", py::arg("dout"), py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
         py::arg("softmax_scale"), py::arg("causal"), py::arg("deterministic") = false, py::arg("dlse") = py::none(),
         py::arg("window_left") = -1, py::arg("window_right") = -1, py::arg("softcap") = 0.0,
         py::arg("cu_seqlens_q") = py::none(), py::arg("cu_seqlens_k") = py::none(), py::arg("seqused_q") = py::none(),
-        py::arg("seqused_k") = py::none(), py::arg("max_seqlen_q") = 0, py::arg("max_seqlen_k") = 0);
+        py::arg("seqused_k") = py::none(), py::arg("max_seqlen_q") = 0, py::arg("max_seqlen_k") = 0,
+        py::arg("kernel_arch") = 0);
   m.def("compiled_kernels", &compiled_kernels, "Names of the kernel instantiations in this build");
   m.def("set_trace", &set_trace, "Per-CTA profiling buffer for builds with -DFLASH4_TRACE (None: off)",
         py::arg("buf") = py::none());

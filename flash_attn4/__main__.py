@@ -57,25 +57,12 @@ def explain_path(shape: tuple[int, ...], dtype: torch.dtype, causal: bool) -> No
     b, sq, hq, hk, d = shape
     _section(f"path for q ({b}, {sq}, {hq}, {d}), k/v ({b}, ?, {hk}, {d}), {dtype}, causal={causal}")
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    ok, why = _build_info.kernel_available(device, dtype, d)
-    if ok:
+    arch, why = _build_info.kernel_available(device, dtype, d)
+    if arch is not None:
         padded = _build_info.padded_hdim(d)
         pad = f" (head dim zero-padded to {padded})" if padded != d else ""
-        arch = _build_info.kernel_arch(device)[0]
-        print(f"forward: the sm{arch} CUDA kernel on {device}{pad}")
-        bwd_padded = _build_info.backward_padded_hdim(dtype, d, device)
-        if bwd_padded is None:
-            bwd_hdims = _build_info.backward_hdims(_build_info.dtype_name(dtype), arch)
-            why = f"no sm{arch} backward kernel for head dim {d}; built: {bwd_hdims}"
-            print(f"backward: the PyTorch reference ({why})")
-        else:
-            pad = f" (head dim zero-padded to {bwd_padded})" if bwd_padded != d else ""
-            print(f"backward: the sm{arch} CUDA kernel on {device}{pad}")
-        if _build_info.features_available(device):
-            print("sliding windows, softcap: on the same kernels")
-        else:
-            print(f"sliding windows, softcap: the PyTorch reference ({_ops._NO_FEATURES})")
-        print("attn_varlen: on the same kernels")
+        print(f"forward and backward: the sm{arch} CUDA kernels on {device}{pad}")
+        print("sliding windows, softcap, attn_varlen: on the same kernels")
     else:
         print(f"forward and backward: the PyTorch reference on {device}, because {why}")
 
@@ -132,10 +119,8 @@ def self_test() -> bool:
         cases += [(torch.device("cuda"), torch.bfloat16), (torch.device("cuda"), torch.float16)]
     all_ok = True
     for device, dtype in cases:
-        path = "reference"
-        if _build_info.kernel_available(device, dtype, 64)[0]:
-            bwd = _build_info.backward_padded_hdim(dtype, 64, device) is not None
-            path = "kernel fwd+bwd" if bwd else "kernel fwd, reference bwd"
+        arch = _build_info.kernel_available(device, dtype, 64)[0]
+        path = f"sm{arch} kernels" if arch else "reference"
         for causal in (False, True):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", _ops.ReferenceFallbackWarning)

@@ -82,15 +82,15 @@ def _capability(index: int) -> tuple[int, int]:
 
 
 def force_sm80() -> bool:
-    """FLASH_ATTN4_FORCE_SM80=1: Hopper GPUs take the Ampere-path kernels (to test that path on one GPU).
-    The C++ dispatch reads the same variable."""
+    """FLASH_ATTN4_FORCE_SM80=1: Hopper GPUs take the Ampere-path kernels (to test that path on one GPU)."""
     return os.environ.get("FLASH_ATTN4_FORCE_SM80", "0") == "1"
 
 
 def kernel_arch(device: torch.device) -> tuple[int | None, str]:
     """The kernel family that serves a CUDA device: 90 (compute capability 9.0, sm_90a kernels) or 80
     (compute capability 8.x, or 9.x with FLASH_ATTN4_FORCE_SM80=1; needs a build with FLASH_ATTN4_ARCHS
-    including 80), else (None, why)."""
+    including 80), else (None, why). The one place that decides it: the binding takes the answer as its
+    `kernel_arch` argument and only checks that the device can run it."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     major, minor = _capability(index)
     if major == 9 and minor == 0 and not force_sm80() and "sm90" in ARCHS:
@@ -110,84 +110,32 @@ def kernel_arch(device: torch.device) -> tuple[int | None, str]:
     )
 
 
-def kernel_available(device: torch.device, dtype: torch.dtype, hdim: int) -> tuple[bool, str]:
-    """Whether a compiled forward kernel can run (device, dtype, head dim). Returns (ok, reason when not)."""
+def kernel_available(device: torch.device, dtype: torch.dtype, hdim: int) -> tuple[int | None, str]:
+    """The kernel family (90 or 80) that serves (device, dtype, head dim), or (None, why not).
+
+    Every built (family, dtype, head dim) has the forward and backward kernels of every mask, softcap and
+    packed batches, so this one answer covers a whole call.
+    """
     device = torch.device(device)
     if device.type != "cuda":
-        return False, f"{device.type} tensors always use the PyTorch reference"
+        return None, f"{device.type} tensors always use the PyTorch reference"
     ext, why = load_extension()
     if ext is None:
-        return False, why
+        return None, why
     arch, why = kernel_arch(device)
     if arch is None:
-        return False, why
+        return None, why
     name = dtype_name(dtype)
     if name is None:
-        return False, f"the CUDA kernels take float16 or bfloat16, not {dtype}; cast q, k, v"
+        return None, f"the CUDA kernels take float16 or bfloat16, not {dtype}; cast q, k, v"
     if name not in DTYPES:
-        return False, (
+        return None, (
             f"flash_attn4 was built without {name} kernels (built: {DTYPES}); "
             f"rebuild with FLASH_ATTN4_DTYPES including {name}: {_REBUILD_HINT}"
         )
     if padded_hdim(hdim) is None:
-        return False, (
+        return None, (
             f"head dim {hdim} has no built kernel (built: {HDIMS}; a multiple of 8 up to the largest is "
             f"served by padding); rebuild with FLASH_ATTN4_HDIMS including {hdim}: {_REBUILD_HINT}"
         )
-    return True, ""
-
-
-def features_available(device: torch.device) -> bool:
-    """Whether the device's kernel family serves sliding windows and softcap: the sm90 kernels always, the
-    Ampere-path kernels when the build has their window kernels. Packed (varlen) batches need nothing more
-    than the plain kernels on either family."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return False
-    arch = kernel_arch(device)[0]
-    if arch == 90:
-        return True
-    return arch == 80 and _sm80_has_windows()
-
-
-@functools.cache
-def _sm80_has_windows() -> bool:
-    ext, _ = load_extension()
-    return ext is not None and any(
-        n.startswith("fwd_sm80_") and n.endswith("_local") for n in ext.compiled_kernels()
-    )
-
-
-@functools.cache
-def backward_hdims(dtype_key: str, arch: int = 90) -> tuple[int, ...]:
-    """Head dims with a compiled backward kernel of kernel family `arch` for dtype 'bf16'/'fp16' (from the
-    extension's list)."""
-    ext, _ = load_extension()
-    if ext is None:
-        return ()
-    prefix = f"bwd_sm{arch}_{dtype_key}_hdim"
-    names = [n for n in ext.compiled_kernels() if n.startswith(prefix)]
-    return tuple(sorted({int(n[len(prefix) :].split("_")[0]) for n in names}))
-
-
-def backward_hdims_for(device: torch.device) -> tuple[int, ...]:
-    """Backward head dims (bf16, else fp16) of the kernel family `device` takes: sm80 on Ampere or with
-    FLASH_ATTN4_FORCE_SM80=1, else sm90 (also when no GPU or no build can say)."""
-    arch = 90
-    if torch.device(device).type == "cuda" and torch.cuda.is_available() and is_built():
-        arch = kernel_arch(torch.device(device))[0] or 90
-    return backward_hdims("bf16", arch) or backward_hdims("fp16", arch)
-
-
-def backward_padded_hdim(dtype: torch.dtype, hdim: int, device: torch.device | None = None) -> int | None:
-    """Smallest head dim >= `hdim` with a compiled backward kernel (zero padding as for the forward), or
-    None; with a CUDA `device`, of the kernel family that serves it."""
-    arch = 90
-    if device is not None and torch.device(device).type == "cuda":
-        arch = kernel_arch(torch.device(device))[0]
-        if arch is None:
-            return None
-    name = dtype_name(dtype)
-    if name is None or hdim <= 0 or hdim % 8 != 0:
-        return None
-    return next((h for h in backward_hdims(name, arch) if h >= hdim), None)
+    return arch, ""

@@ -54,36 +54,36 @@ def _effective_mask(
 
 
 class _Plan(NamedTuple):
-    """What the kernel is asked to do: `causal` alone, or a window (left/right, -1 = unbounded)."""
+    """What the kernel is asked to do: the kernel family, and `causal` alone or a window (left/right, -1 =
+    unbounded; never both: the binding's contract)."""
 
+    arch: int
     causal: bool
     window_left: int = -1
     window_right: int = -1
 
 
 def _kernel_plan(
-    q: Tensor, k: Tensor, causal: bool, window_left: int, window_right: int, softcap: float
+    q: Tensor,
+    seqlen_q: int,
+    seqlen_k: int,
+    causal: bool,
+    window_left: int,
+    window_right: int,
 ) -> tuple[Optional[_Plan], str]:
-    """Decide the path for a (batch, seqlen, heads, d) call. Returns (plan, "") or (None, why the reference
-    runs)."""
-    if q.numel() == 0 or k.shape[1] == 0:
+    """The one place that picks the path of a call (dense or packed; for packed batches seqlen_q/k are the
+    max_seqlen bounds): (plan, "") for the kernels, or (None, why the reference runs; "" when there is nothing
+    to compute). Softcap and packed batches need nothing more than the kernel family, which every build has
+    for every mask."""
+    if q.numel() == 0 or seqlen_q == 0 or seqlen_k == 0:
         return None, ""  # nothing to compute (or only empty rows): no kernel launch, nothing to warn about
-    ok, why = _build_info.kernel_available(q.device, q.dtype, q.shape[-1])
-    if not ok:
+    arch, why = _build_info.kernel_available(q.device, q.dtype, q.shape[-1])
+    if arch is None:
         return None, why
-    left, right = _effective_mask(q.shape[1], k.shape[1], causal, window_left, window_right)
-    plain = left == -1 and right in (-1, 0)
-    if (softcap != 0.0 or not plain) and not _build_info.features_available(q.device):
-        return None, _NO_FEATURES
-    if plain:
-        return _Plan(right == 0), ""
-    return _Plan(False, left, right), ""
-
-
-_NO_FEATURES = (
-    "sliding windows and softcap need the sm90 kernels (Hopper) or an Ampere-path build with its window "
-    "kernels; this device takes Ampere-path kernels without them"
-)
+    left, right = _effective_mask(seqlen_q, seqlen_k, causal, window_left, window_right)
+    if left == -1 and right in (-1, 0):
+        return _Plan(arch, right == 0), ""
+    return _Plan(arch, False, left, right), ""
 
 
 def _tma_ready(t: Tensor) -> Tensor:
@@ -133,6 +133,7 @@ def _kernel_options(plan: _Plan, softcap: float, varlen: Optional[dict]) -> dict
         "window_left": int(plan.window_left),
         "window_right": int(plan.window_right),
         "softcap": float(softcap),
+        "kernel_arch": int(plan.arch),
     }
     return {**kw, **(varlen or {})}
 
@@ -144,9 +145,8 @@ def fwd_into(
     out: Tensor,
     lse: Tensor,
     softmax_scale: float,
-    causal: bool,
+    plan: _Plan,
     *,
-    window: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     varlen: Optional[dict] = None,
 ) -> None:
@@ -159,7 +159,7 @@ def fwd_into(
         out: shaped like q, q's dtype, contiguous. Written (packed: rows of the sequences only).
         lse: (batch, nheads_q, seqlen_q), packed (nheads_q, total_q), float32, contiguous. Written.
         softmax_scale: for the ORIGINAL head dim (padding below must not change it).
-        window: (left, right), -1 = unbounded; (-1, -1) with `causal` gives the causal kernel.
+        plan: from `_kernel_plan` (kernel family and mask).
         varlen: cu_seqlens_q/k, seqused_q/k, max_seqlen_q/k for `_C.fwd`.
     """
     ext, why = _build_info.load_extension()
@@ -181,7 +181,6 @@ def fwd_into(
         out_k = torch.nn.functional.pad(out, pad)  # keeps out's values in rows the kernel does not write
     else:
         out_k = out
-    plan = _Plan(bool(causal), *window)
     ext.fwd(
         _tma_ready(q),
         _tma_ready(k),
@@ -189,7 +188,7 @@ def fwd_into(
         out_k,
         lse,
         float(softmax_scale),
-        bool(causal),
+        bool(plan.causal),
         **_kernel_options(plan, softcap, varlen),
     )
     if out_k is not out:
@@ -207,11 +206,10 @@ def bwd_into(
     dk: Tensor,
     dv: Tensor,
     softmax_scale: float,
-    causal: bool,
+    plan: _Plan,
     deterministic: bool = False,
     dlse: Optional[Tensor] = None,
     *,
-    window: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     varlen: Optional[dict] = None,
 ) -> None:
@@ -224,11 +222,11 @@ def bwd_into(
             the sequences only).
         deterministic: bitwise-reproducible dq (key blocks add into it in a fixed order; slower).
         dlse: gradient of lse (same shape), or None for zero.
-        window, softcap, varlen: as for `fwd_into`.
+        plan, softcap, varlen: as for `fwd_into`.
     """
     ext, why = _build_info.load_extension()
-    if ext is None or not hasattr(ext, "bwd"):
-        raise RuntimeError(why or "this build of flash_attn4._C has no backward kernels")
+    if ext is None:
+        raise RuntimeError(why)
     for name, t, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         if t.shape != like.shape or t.dtype != like.dtype or not _tma_strides_ok(t) or t.data_ptr() % 16:
             raise ValueError(
@@ -236,9 +234,9 @@ def bwd_into(
                 "contiguous last dim and the other strides multiples of 8 elements (a contiguous one will do)"
             )
     d = q.shape[-1]
-    dpad = _build_info.backward_padded_hdim(q.dtype, d, q.device)
+    dpad = _build_info.padded_hdim(d)
     if dpad is None:
-        raise ValueError(f"head dim {d} has no built backward kernel for {q.dtype}")
+        raise ValueError(f"head dim {d} has no built kernel (built: {_build_info.HDIMS})")
     if dpad != d:
         # As in fwd_into: zero columns change no score; the padded gradient columns are dropped.
         pad = (0, dpad - d)
@@ -257,10 +255,10 @@ def bwd_into(
         dk_k,
         dv_k,
         float(softmax_scale),
-        bool(causal),
+        bool(plan.causal),
         bool(deterministic),
         None if dlse is None else dlse.float().contiguous(),
-        **_kernel_options(_Plan(bool(causal), *window), softcap, varlen),
+        **_kernel_options(plan, softcap, varlen),
     )
     if dpad != d:
         dq.copy_(dq_k[..., :d])
@@ -306,7 +304,7 @@ def fwd(
     Inputs are assumed validated (`interface.attn` does that). lse is float32, except float64 for
     float64 inputs (CPU reference only), so that gradcheck can check gradients through lse.
     """
-    plan, why = _kernel_plan(q, k, causal, window_left, window_right, softcap)
+    plan, why = _kernel_plan(q, q.shape[1], k.shape[1], causal, window_left, window_right)
     if plan is None:
         if why and q.is_cuda:
             _warn_once(why)
@@ -314,7 +312,7 @@ def fwd(
     b, sq, hq, d = q.shape
     out = q.new_empty(b, sq, hq, d)
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
-    fwd_into(q, k, v, out, lse, softmax_scale, plan.causal, window=plan[1:], softcap=softcap)
+    fwd_into(q, k, v, out, lse, softmax_scale, plan, softcap=softcap)
     return out, lse
 
 
@@ -342,41 +340,20 @@ def bwd(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Backward. dout (b, sq, hq, d), dlse (b, hq, sq) or None -> dq like q, dk like k, dv like v.
 
-    Gradients through lse are exact on both paths. The CUDA path is the sm90 backward kernel (recomputes
-    P from q, k and the saved lse); `deterministic` makes its dq bitwise reproducible. Otherwise (CPU,
-    options or head dims without a backward kernel) `reference.attention_bwd_ref` runs (float32 math,
+    Gradients through lse are exact on both paths. The CUDA path is the backward kernel of the forward's
+    family (recomputes P from q, k and the saved lse); `deterministic` makes its dq bitwise reproducible.
+    Otherwise (CPU, or no kernel for the call) `reference.attention_bwd_ref` runs (float32 math,
     float64 for float64 inputs; written out rather than taken with torch.func.vjp, which breaks under
     dispatch modes such as opcheck's schema check), with a one-time warning on CUDA.
     """
-    plan, why = _kernel_plan(q, k, causal, window_left, window_right, softcap)
+    plan, why = _kernel_plan(q, q.shape[1], k.shape[1], causal, window_left, window_right)
     if plan is not None:
-        if _build_info.backward_padded_hdim(q.dtype, q.shape[-1], q.device) is not None:
-            dq, dk, dv = (_grad_like(t) for t in (q, k, v))
-            bwd_into(
-                dout,
-                q,
-                k,
-                v,
-                out,
-                lse,
-                dq,
-                dk,
-                dv,
-                softmax_scale,
-                plan.causal,
-                deterministic,
-                dlse,
-                window=plan[1:],
-                softcap=softcap,
-            )
-            return dq, dk, dv
-        arch = _build_info.kernel_arch(q.device)[0] if q.is_cuda else 90
-        _warn_once(
-            f"head dim {q.shape[-1]} has a forward kernel but no sm{arch} backward kernel yet (backward head "
-            f"dims: {_build_info.backward_hdims(_build_info.dtype_name(q.dtype), arch)}); the gradient is "
-            "computed there"
+        dq, dk, dv = (_grad_like(t) for t in (q, k, v))
+        bwd_into(
+            dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, plan, deterministic, dlse, softcap=softcap
         )
-    elif why and q.is_cuda:
+        return dq, dk, dv
+    if why and q.is_cuda:
         _warn_once(why)
     grads = reference.attention_bwd_ref(
         dout,
@@ -417,24 +394,25 @@ def _backward(ctx, dout: Optional[Tensor], dlse: Optional[Tensor]):
 fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-# Variable-length (packed) batches. The sm90 and sm80 kernels serve them (they read cu_seqlens on the
-# device, so there is no host synchronisation and the op can be captured in a CUDA graph); elsewhere
-# reference.attention_varlen_ref runs, which reads cu_seqlens on the host.
+# Variable-length (packed) batches. The kernels serve them (they read cu_seqlens on the device, so there is no
+# host synchronisation and the op can be captured in a CUDA graph); elsewhere reference.attention_varlen_ref
+# runs, which reads cu_seqlens on the host.
 
 
 def _varlen_plan(
-    q: Tensor, k: Tensor, max_seqlen_q: int, max_seqlen_k: int, window: tuple[int, int], softcap: float
-) -> tuple[bool, str]:
-    """(True, "") when the kernel serves this packed call, else (False, why the reference runs)."""
-    if q.shape[0] == 0 or k.shape[0] == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
-        return False, ""
-    ok, why = _build_info.kernel_available(q.device, q.dtype, q.shape[-1])
-    if not ok:
-        return False, why
-    plain = window[0] == -1 and window[1] in (-1, 0)  # causal comes as right = 0
-    if (softcap != 0.0 or not plain) and not _build_info.features_available(q.device):
-        return False, _NO_FEATURES
-    return True, ""
+    q: Tensor,
+    k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+) -> tuple[Optional[_Plan], str]:
+    """`_kernel_plan` of a packed call: the max_seqlen bounds stand for the lengths (a window side that masks
+    nothing at the longest sequence masks nothing at any)."""
+    if k.shape[0] == 0:
+        return None, ""
+    return _kernel_plan(q, max_seqlen_q, max_seqlen_k, causal, window_left, window_right)
 
 
 def _varlen_args(cu_q, cu_k, used_q, used_k, max_q, max_k) -> dict:
@@ -470,8 +448,8 @@ def fwd_varlen(
 
     Rows outside every sequence (past seqused_q, or past cu_seqlens_q[-1]) get out = 0 and lse = -inf.
     """
-    use_kernel, why = _varlen_plan(q, k, max_seqlen_q, max_seqlen_k, (window_left, window_right), softcap)
-    if use_kernel:
+    plan, why = _varlen_plan(q, k, max_seqlen_q, max_seqlen_k, causal, window_left, window_right)
+    if plan is not None:
         out = torch.zeros_like(q, memory_format=torch.contiguous_format)
         lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
         fwd_into(
@@ -481,8 +459,7 @@ def fwd_varlen(
             out,
             lse,
             softmax_scale,
-            causal,
-            window=(window_left, window_right),
+            plan,
             softcap=softcap,
             varlen=_varlen_args(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k),
         )
@@ -534,8 +511,8 @@ def bwd_varlen(
     deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Varlen backward: dq like q, dk like k, dv like v (zero outside every sequence); through lse too."""
-    use_kernel, why = _varlen_plan(q, k, max_seqlen_q, max_seqlen_k, (window_left, window_right), softcap)
-    if use_kernel and _build_info.backward_padded_hdim(q.dtype, q.shape[-1], q.device) is not None:
+    plan, why = _varlen_plan(q, k, max_seqlen_q, max_seqlen_k, causal, window_left, window_right)
+    if plan is not None:
         # Zeros: the kernel writes only rows inside the sequences.
         dq, dk, dv = (torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
         bwd_into(
@@ -549,19 +526,14 @@ def bwd_varlen(
             dk,
             dv,
             softmax_scale,
-            causal,
+            plan,
             deterministic,
             dlse,
-            window=(window_left, window_right),
             softcap=softcap,
             varlen=_varlen_args(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k),
         )
         return dq, dk, dv
-    if use_kernel:
-        _warn_once(
-            f"head dim {q.shape[-1]} has no backward kernel yet; the varlen gradient is computed there"
-        )
-    elif why and q.is_cuda:
+    if why and q.is_cuda:
         _warn_once(why)
     if dlse is None:
         dlse = torch.zeros(q.shape[1], q.shape[0], dtype=_lse_dtype(q.dtype), device=q.device)

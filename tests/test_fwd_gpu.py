@@ -1,4 +1,4 @@
-"""The compiled forward kernel against the reference (DESIGN.md, 'Tests and benchmarks').
+"""The compiled forward kernel against the reference.
 
 Tolerance (FlashAttention's rule): with `truth` the reference in fp32 and `torch_lp` the same reference
 run in the input dtype (upcast=False), the kernel must satisfy
@@ -63,7 +63,8 @@ def _run_kernel(q, k, v, causal, scale):
     b, sq, hq, d = q.shape
     out = torch.full((b, sq, hq, d), math.nan, dtype=q.dtype, device=q.device)
     lse = torch.full((b, hq, sq), math.nan, dtype=torch.float32, device=q.device)
-    _ops.fwd_into(q, k, v, out, lse, scale, causal)
+    plan = _ops._kernel_plan(q, q.shape[1], k.shape[1], causal, -1, -1)[0]
+    _ops.fwd_into(q, k, v, out, lse, scale, plan)
     return out, lse
 
 
@@ -206,7 +207,9 @@ def test_strided_and_misaligned_inputs_unchanged(causal):
     k = torch.randn(2 * 157 * 4 * d + 1, dtype=dtype, device=DEVICE)[1:].view(2, 157, 4, d)  # misaligned
     q2 = _randn(2, 91, 4 * d + 4, dtype=dtype)[..., : 4 * d].view(2, 91, 4, d)  # row stride not 16-byte
     before = [(t.clone(), t.stride(), t.data_ptr()) for t in (q, k, v, q2, qkv)]
-    assert _ops._kernel_plan(q, k, causal, -1, -1, 0.0)[0] is not None  # the kernel path, not a fallback
+    assert (
+        _ops._kernel_plan(q, q.shape[1], k.shape[1], causal, -1, -1)[0] is not None
+    )  # the kernel, not a fallback
     for qq in (q, q2):
         out, lse = attn(qq, k, v, causal=causal, return_lse=True)
         assert_close_to_ref(out, lse, qq, k, v, causal, d**-0.5)
