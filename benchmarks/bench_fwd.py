@@ -1,4 +1,4 @@
-"""Attention benchmark over the ANCHORS.md grid, ours against the SDPA backends and flash-attn-4.
+"""Attention benchmark over the FlashAttention papers' grid, ours against the SDPA backends and flash-attn-4.
 
     python3 benchmarks/bench_fwd.py                # full grid, writes benchmarks/results/<gpu>_fwd.json/.png
     python3 benchmarks/bench_fwd.py --bwd          # the backward: <gpu>_bwd.json/.png
@@ -7,7 +7,10 @@
 
 Shapes follow the FlashAttention papers: batch * seqlen = 16384 tokens, nheads * headdim = 2048, q/k/v of
 equal shape, random normal inputs. Forward FLOPs = 4 * b * h * s^2 * d, halved when causal; backward
-FLOPs = 2.5x that. Times are do_bench medians (CUDA-event medians when triton is missing). Forward: only
+FLOPs = 2.5x that. Times are do_bench medians (CUDA-event medians when triton is missing); every shape
+takes --rounds rounds (default 3) with the implementations alternating (the order reversed every other
+round), and records the median of the rounds, each round's time and the SM clock nvidia-smi reported
+during them (the card may be power-capped: compare implementations within a run). Forward: only
 the attention call is timed. Backward: only the gradient computation, `torch.autograd.grad(out, (q, k, v),
 dout)` on a graph recorded once (retain_graph), so no forward is inside the timed call.
 """
@@ -51,6 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--deterministic", action="store_true", help="flash_attn4 with deterministic=True")
     ap.add_argument("--warmup", type=int, default=25, help="do_bench warmup (ms)")
     ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time (ms)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds per shape, implementations alternating")
     ap.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/<gpu>_{fwd,bwd}.json)")
     ap.add_argument("--plot", type=Path, help="PNG path (default: the JSON path with .png)")
     args = ap.parse_args(argv)
@@ -92,6 +96,23 @@ def bench_ms(fn: Callable[[], object], warmup: int, rep: int) -> float:
     return statistics.median(times)
 
 
+def sm_clock_mhz() -> int | None:
+    """The current SM clock of the current device from nvidia-smi, or None where it cannot say."""
+    import subprocess
+
+    index = torch.cuda.current_device()
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits", "-i", str(index)],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        return int(out.splitlines()[0])
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return None
+
+
 def _import_flash_attn4() -> None:
     """Import flash_attn4 (registers torch.ops.flash_attn4.fwd): the installed package, else the source
     tree (`make build` compiles _C in place; running this file puts benchmarks/, not the repo root, on
@@ -114,7 +135,7 @@ def _kernel_path() -> str:
 
 
 def make_impl(name: str, q, k, v, causal: bool, bwd: bool = False, deterministic: bool = False):
-    """(fn, context manager to hold while timing) for one impl; raises when it cannot run.
+    """(fn, a factory of the context manager to hold while timing) for one impl; raises when it cannot run.
 
     q, k, v are (b, s, h, d) contiguous. SDPA wants (b, h, s, d): it gets its own contiguous copies, made
     here, so no transpose or copy lands inside the timed call. With bwd, fn computes the gradients of one
@@ -126,35 +147,34 @@ def make_impl(name: str, q, k, v, causal: bool, bwd: bool = False, deterministic
         from flash_attn4 import _build_info, attn
 
         ok, why = _build_info.kernel_available(q.device, q.dtype, q.shape[-1])
-        if ok and bwd and _build_info.backward_padded_hdim(q.dtype, q.shape[-1], q.device) is None:
-            ok, why = False, f"no backward kernel for head dim {q.shape[-1]} yet"
         if not ok:
             raise RuntimeError(f"kernel unavailable: {why}")
         fwd = lambda q, k, v: attn(q, k, v, causal=causal, deterministic=deterministic)  # noqa: E731
-        layout, ctx = (lambda t: t), contextlib.nullcontext()
+        layout, ctx = (lambda t: t), contextlib.nullcontext
     elif name == "fa4_cute":
         from flash_attn.cute import flash_attn_func
 
         fwd = lambda q, k, v: flash_attn_func(q, k, v, causal=causal)  # noqa: E731
-        layout, ctx = (lambda t: t), contextlib.nullcontext()
+        layout, ctx = (lambda t: t), contextlib.nullcontext
     elif name in ("sdpa_cudnn", "sdpa_flash"):
         from torch.nn.attention import SDPBackend, sdpa_kernel
         from torch.nn.functional import scaled_dot_product_attention as sdpa
 
         backend = SDPBackend.CUDNN_ATTENTION if name == "sdpa_cudnn" else SDPBackend.FLASH_ATTENTION
         fwd = lambda q, k, v: sdpa(q, k, v, is_causal=causal)  # noqa: E731
-        layout, ctx = (lambda t: t.transpose(1, 2).contiguous()), sdpa_kernel(backend)
+        # sdpa_kernel's context manager is single-use: a new one for every timed round.
+        layout, ctx = (lambda t: t.transpose(1, 2).contiguous()), (lambda: sdpa_kernel(backend))
     else:
         raise ValueError(name)
     q, k, v = (layout(t) for t in (q, k, v))
     if not bwd:
         return (lambda: fwd(q, k, v)), ctx
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    with ctx:  # the backend is chosen at forward time; sdpa_kernel's context is single-use
+    with ctx():  # the backend is chosen at forward time
         out = fwd(q, k, v)
         out = out[0] if isinstance(out, tuple) else out  # flash_attn.cute returns (out, lse)
     dout = torch.randn_like(out)
-    return (lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)), contextlib.nullcontext()
+    return (lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)), contextlib.nullcontext
 
 
 def available_impls(requested: list[str]) -> list[str]:
@@ -201,6 +221,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         batch, nheads = max(1, TOKENS // seqlen), WIDTH // hdim
         q, k, v = (torch.randn(batch, seqlen, nheads, hdim, dtype=dtype, device="cuda") for _ in "qkv")
         flops = 4 * batch * nheads * seqlen * seqlen * hdim / (2 if causal else 1) * (2.5 if args.bwd else 1)
+        recs, fns = {}, {}
         for impl in args.impls:
             rec = {"impl": impl, "hdim": hdim, "seqlen": seqlen, "causal": causal, "batch": batch}
             rec.update(nheads=nheads, **meta)
@@ -208,17 +229,33 @@ def run(args: argparse.Namespace) -> list[dict]:
                 rec["deterministic"] = True
             if impl == "flash_attn4":
                 rec["kernel_path"] = _kernel_path()
-            fn = None
             try:
-                fn, ctx = make_impl(impl, q, k, v, causal, args.bwd, args.deterministic)
-                with ctx:
-                    ms = bench_ms(fn, args.warmup, args.rep)
-                rec.update({f"{direction}_ms": ms, f"{direction}_tflops": flops / (ms * 1e-3) / 1e12})
+                fns[impl] = make_impl(impl, q, k, v, causal, args.bwd, args.deterministic)
             except Exception as e:  # one impl failing on one shape must not end the sweep
-                rec.update({f"{direction}_ms": None, f"{direction}_tflops": None})
                 rec["error"] = f"{type(e).__name__}: {e}"[:500]
+            recs[impl] = rec
+        times = {impl: [] for impl in fns}
+        clocks = []
+        for r in range(args.rounds):
+            for impl in list(fns) if r % 2 == 0 else list(fns)[::-1]:
+                fn, ctx = fns[impl]
+                try:
+                    with ctx():
+                        times[impl].append(bench_ms(fn, args.warmup, args.rep))
+                except Exception as e:
+                    recs[impl]["error"] = f"{type(e).__name__}: {e}"[:500]
+                    del fns[impl]
+                clocks.append(sm_clock_mhz())
+        clocks = [c for c in clocks if c is not None]
+        for impl, rec in recs.items():
+            ts = times.get(impl, [])
+            ms = statistics.median(ts) if ts and "error" not in rec else None
+            rec[f"{direction}_ms"] = ms
+            rec[f"{direction}_tflops"] = flops / (ms * 1e-3) / 1e12 if ms else None
+            rec[f"{direction}_ms_rounds"] = ts
+            rec["sm_clock_mhz"] = statistics.median(clocks) if clocks else None
             records.append(rec)
-            del fn  # frees a recorded backward graph before the next impl allocates its own
+        del fns  # frees the recorded backward graphs before the next shape allocates its own
         del q, k, v
         torch.cuda.empty_cache()
     return records

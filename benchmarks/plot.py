@@ -39,10 +39,11 @@ def _tflops(records: list[dict]) -> dict[tuple, float]:
 
 
 def format_table(records: list[dict]) -> str:
-    """One row per (hdim, seqlen, causal): TFLOP/s per impl, then ours/cudnn and ours/fa2 (sdpa_flash)."""
+    """One row per (hdim, seqlen, causal): TFLOP/s per impl, then ours/fa4 (fa4_cute), ours/cudnn and ours/fa2
+    (sdpa_flash)."""
     impls, tf = _impls(records), _tflops(records)
     shapes = sorted({(r["hdim"], r["seqlen"], bool(r["causal"])) for r in records})
-    head = ["hdim", "seqlen", "causal", *impls, "ours/cudnn", "ours/fa2"]
+    head = ["hdim", "seqlen", "causal", *impls, "ours/fa4", "ours/cudnn", "ours/fa2"]
     rows = []
     for h, s, c in shapes:
         vals = [tf.get((i, h, s, c)) for i in impls]
@@ -53,7 +54,8 @@ def format_table(records: list[dict]) -> str:
             return f"{ours / base:.2f}" if ours and base else "-"
 
         cells = [f"{v:.0f}" if v is not None else "-" for v in vals]
-        rows.append([str(h), str(s), "yes" if c else "no", *cells, ratio("sdpa_cudnn"), ratio("sdpa_flash")])
+        ratios = [ratio("fa4_cute"), ratio("sdpa_cudnn"), ratio("sdpa_flash")]
+        rows.append([str(h), str(s), "yes" if c else "no", *cells, *ratios])
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
     lines = ["  ".join(x.rjust(w) for x, w in zip(line, widths)) for line in [head, *rows]]
     lines.insert(1, "  ".join("-" * w for w in widths))

@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
 # Same-card A/B of kernel variants on the GPU machine: each variant is this tree plus zero or more patches,
 # copied to a fresh folder (so that NVCC_APPEND_FLAGS and edits are not hidden by a warm ninja cache), built
-# side by side, then timed with `bench_varlen.py --window-only` in alternating processes (a process per
-# variant per round, the order reversed every round), so that clock and temperature drift hit every variant.
+# side by side, then timed in alternating processes (a process per variant per round, the order reversed every
+# round), so that clock and temperature drift hit every variant.
 #
-#   bash scripts/ab_trees.sh main= skip=docs/wip/bwd_skip_idle_warpgroup.patch both=a.patch,b.patch
+#   bash scripts/ab_trees.sh main= skip=.ab/skip.patch both=.ab/a.patch,.ab/b.patch
+#   git diff HEAD <old commit> > .ab/old.patch && AB_BENCH=fwd bash scripts/ab_trees.sh old=.ab/old.patch new=
 #
-# Env: AB_ROUNDS (default 3), AB_TEST_TIMEOUT / AB_BENCH_TIMEOUT (seconds, default 300 / 150), AB_BENCH_ARGS (extra bench_varlen.py args, default --no-probe --rounds 1; add --direction fwd for a forward-only change),
+# Patches are paths relative to this tree (a git-ignored folder such as .ab/ travels with the device's `carry`);
+# a variant with none is this tree as it is.
+# Env: AB_BENCH (varlen: `bench_varlen.py --window-only`, the default; fwd: `bench_fwd.py`),
+#      AB_ROUNDS (default 3), AB_TEST_TIMEOUT / AB_BENCH_TIMEOUT (seconds, default 300 / 150),
+#      AB_BENCH_ARGS (the bench's arguments; varlen default --no-probe --rounds 1, add --direction fwd for a
+#      forward-only change; fwd default --quick --bwd --rounds 1 --impls flash_attn4,sdpa_cudnn),
 #      AB_TEST (a pytest command line run in every variant but the first after the build, e.g.
 #      "tests/test_features_gpu.py -k window"), AB_APPEND_FLAGS (NVCC_APPEND_FLAGS of every build),
 #      FLASH_ATTN4_HDIMS (default 128), FLASH_ATTN4_DTYPES (default bf16), MAX_JOBS (split between variants),
@@ -14,7 +20,8 @@
 #      AB_TRACE=1 (trace builds: also set AB_APPEND_FLAGS=-DFLASH4_TRACE, and AB_ROUNDS=0 since trace builds are
 #      not for timing; runs tools/trace_tiles.py in every variant after the tests: $OUT/trace_<variant>.json, its
 #      tables appended to ab_<variant>.log).
-# Logs: $OUT/ab_<variant>.log (build, bench), ab_<variant>_tests.log, $OUT/ab_runs.jsonl (one line per process and case).
+# Logs: $OUT/ab_<variant>.log (build, bench), ab_<variant>_tests.log, $OUT/ab_runs.jsonl (one line per process and
+# case), $OUT/ab_summary.txt (scripts/ab_summary.py).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
@@ -45,8 +52,8 @@ done
 t0=$(date +%s)
 wait
 echo "builds: $(($(date +%s) - t0))s"
-# A variant that did not build would import without its extension and time the PyTorch reference (session 17's
-# call 4 spent its rounds that way, ~1 s a call): stop here, with the first compiler error.
+# A variant that did not build would import without its extension and time the PyTorch reference (~1 s a call)
+# instead of its kernels: stop here, with the first compiler error.
 for name in "${names[@]}"; do
   tail -n 1 "$LOG/ab_$name.log" | sed "s/^/$name: /"
   if [[ ${AB_BUILD:-1} != 0 ]] && ! tail -n 1 "$LOG/ab_$name.log" | grep -q "^build rc 0$"; then
@@ -55,8 +62,8 @@ for name in "${names[@]}"; do
     exit 1
   fi
 done
-# Every variant's processes import its own build: its folder goes first on PYTHONPATH (a PYTHONPATH that named
-# another checkout made session 15's first call time the unbuilt package's PyTorch reference), and the bench's
+# Every variant's processes import its own build: its folder goes first on PYTHONPATH (a PYTHONPATH that names
+# another checkout would time that checkout, or an unbuilt package's PyTorch reference), and the bench's
 # "flash_attn4 from ..." line is checked.
 in_variant() { (cd /tmp/ab/"$1" && shift && PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} "$@"); }
 if [[ -n ${AB_TEST:-} ]]; then
@@ -74,14 +81,19 @@ if [[ ${AB_TRACE:-0} == 1 ]]; then
     grep -E "^(fwd|bwd) .*SM span" "$LOG/ab_$name.log" | sed "s/^/$name trace: /"
   done
 fi
+if [[ ${AB_BENCH:-varlen} == fwd ]]; then
+  # shellcheck disable=SC2206  # AB_BENCH_ARGS is a list of words
+  bench=(benchmarks/bench_fwd.py ${AB_BENCH_ARGS:---quick --bwd --rounds 1 --impls flash_attn4,sdpa_cudnn})
+else
+  # shellcheck disable=SC2206
+  bench=(benchmarks/bench_varlen.py --window-only ${AB_BENCH_ARGS:---no-probe --rounds 1})
+fi
 for ((r = 0; r < ${AB_ROUNDS:-3}; ++r)); do
   order=("${names[@]}")
   ((r % 2)) && order=($(printf '%s\n' "${names[@]}" | tac))
   for name in "${order[@]}"; do
-    # shellcheck disable=SC2086
-    in_variant "$name" timeout "${AB_BENCH_TIMEOUT:-150}" $PY benchmarks/bench_varlen.py --window-only \
-      ${AB_BENCH_ARGS:---no-probe --rounds 1} --out "/tmp/ab/$name.json" >"/tmp/ab/$name.out" 2>&1 ||
-      echo "$name: bench failed (round $r)"
+    in_variant "$name" timeout "${AB_BENCH_TIMEOUT:-150}" $PY "${bench[@]}" --out "/tmp/ab/$name.json" \
+      >"/tmp/ab/$name.out" 2>&1 || echo "$name: bench failed (round $r)"
     cat "/tmp/ab/$name.out" >>"$LOG/ab_$name.log"
     grep -q "^flash_attn4 from /tmp/ab/$name/" "/tmp/ab/$name.out" ||
       { echo "$name: the bench did not import /tmp/ab/$name (see $LOG/ab_$name.log)" >&2; exit 1; }
@@ -89,21 +101,13 @@ for ((r = 0; r < ${AB_ROUNDS:-3}; ++r)); do
 import json, sys
 name, rnd, path = sys.argv[1:]
 for row in json.load(open(path)):
-    print(json.dumps({"variant": name, "round": int(rnd), "direction": row["direction"],
-                      "full_causal_ms": row["full_causal_ms"], "window_ms": row["window_ms"],
-                      "speedup": row["speedup"]}))
+    if "window_ms" in row:  # bench_varlen.py
+        keep = {k: row[k] for k in ("direction", "full_causal_ms", "window_ms", "speedup")}
+    else:  # bench_fwd.py
+        keep = {k: row.get(k) for k in ("impl", "hdim", "seqlen", "causal", "fwd_ms", "bwd_ms", "sm_clock_mhz")}
+    print(json.dumps({"variant": name, "round": int(rnd), **keep}))
 EOF
   done
 done
 [[ -f $LOG/ab_runs.jsonl ]] || exit 0  # AB_ROUNDS=0: nothing timed
-$PY - "$LOG/ab_runs.jsonl" <<'EOF'
-import collections, json, statistics, sys
-rows = [json.loads(line) for line in open(sys.argv[1])]
-by = collections.defaultdict(list)
-for r in rows:
-    by[(r["variant"], r["direction"])].append(r)
-for (name, d), rs in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-    med = lambda key: statistics.median(r[key] for r in rs)
-    print(f"{d} {name:>10}: causal {med('full_causal_ms'):.3f} ms  window {med('window_ms'):.3f} ms  "
-          f"{med('speedup'):.3f}x  (rounds: {', '.join('%.3f' % r['speedup'] for r in rs)})")
-EOF
+$PY scripts/ab_summary.py "$LOG/ab_runs.jsonl" "${names[@]}" | tee "$LOG/ab_summary.txt"
