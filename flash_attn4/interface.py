@@ -1,4 +1,4 @@
-"""Public API: `attn(q, k, v, ...)`, FlashAttention conventions (DESIGN.md, 'Public Python API')."""
+"""Public API: `attn(q, k, v, ...)` and `attn_varlen`, FlashAttention conventions (README, "Semantics")."""
 
 from __future__ import annotations
 

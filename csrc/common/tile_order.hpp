@@ -23,7 +23,7 @@
 // The order's constants depend only on the grid, so the sm90 launchers compute them on the host (TileOrder::make)
 // and a CTA finds its tile with three 32-bit divisions. Computed in every CTA (64-bit divisions and a search)
 // they cost ~2k cycles at the start of each CTA, ahead of its first load: 2.5% of a 4096-window forward at 32k
-// (tools/trace_tiles.py, docs/perf_notes.md session 9).
+// (tools/trace_tiles.py; docs/design.md, "Launch order and persistent kernels").
 #pragma once
 
 #include <cstdint>
@@ -102,7 +102,7 @@ FLASH4_HOST_DEVICE int persistent_ctas(int num_tiles, int num_sms) {
 // Persistent kernels: the launch index of this CTA's tile in round r, or -1 past the last tile. A static snake
 // order: round r gives tile r * G + k (r even) or r * G + G - 1 - k (r odd) to CTA k of G. A list-scheduling
 // simulation of window 4096 at 32k x 16 heads with the short tiles last: 0.1-0.4% over the ideal makespan, as the
-// hardware's dynamic order; plain round robin 1.7-1.8% (docs/perf_notes.md, session 9).
+// hardware's dynamic order; plain round robin 1.7-1.8%.
 __device__ __forceinline__ int snake_tile(int r, int num_tiles) {
   const int g = int(gridDim.x), k = int(blockIdx.x);
   const int linear = r * g + ((r & 1) ? g - 1 - k : k);

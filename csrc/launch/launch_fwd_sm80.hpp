@@ -28,7 +28,7 @@ void run_fwd_sm80(const FwdParams& p, cudaStream_t stream) {
   constexpr FwdTileSm80 tile = fwd_tile_sm80(kHeadDim);
   using Traits = FwdTraitsSm80<CutlassElement<kDType>, kHeadDim, tile.block_m, tile.block_n, tile.warps>;
   // Lengths that are multiples of the tile (fixed-length batches) take the kernel without row predicates and
-  // key-end mask code: hdim 64 non-causal +8%, hdim 128 +3-5% (measured, docs/perf_notes.md, session 4).
+  // key-end mask code: hdim 64 non-causal +8%, hdim 128 +3-5% (H200, forced sm80 path).
   if (tiles_even(p, tile.block_m, tile.block_n)) {
     launch_fwd_sm80_cap<Traits, kCausal, kLocal, true>(p, stream);
   } else {

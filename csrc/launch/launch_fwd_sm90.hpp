@@ -19,7 +19,7 @@ void run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   // Softcap is its own kernel (see MainloopFwdSm90), chosen here so the dispatch table stays per mask.
   // Sliding windows of fixed-length batches at head dims 64 and 128, when the window is at most half the
   // sequence (so that nearly every tile costs the same), take the persistent kernel: H200, window 4096 at 32k,
-  // 1.762 -> 1.713 ms in one run (docs/perf_notes.md, session 9). Wider windows have tiles as unequal as causal
+  // 1.762 -> 1.713 ms, same run. Wider windows have tiles as unequal as causal
   // ones, which its static schedule does not balance (the whole causal triangle through it: 13% slower than
   // the causal kernel); packed batches and the other head dims were not measured with it.
   if constexpr (kLocal && (kHeadDim == 64 || kHeadDim == 128)) {

@@ -1,7 +1,7 @@
 // A two-entry ring in shared memory through which a persistent kernel's producer thread hands each tile to the
 // consumer warps. The producer works the tile out anyway, a few steps before the consumers need it; worked out by
 // the consumers themselves it sat between one tile's epilogue or store and the next tile's first GEMM (~1.1k
-// cycles a tile in the forward and ~1.3k in the backward, docs/perf_notes.md session 12).
+// cycles a tile in the forward and ~1.3k in the backward, tools/trace_tiles.py).
 #pragma once
 
 #include <cute/tensor.hpp>
