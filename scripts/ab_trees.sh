@@ -42,7 +42,8 @@ for spec in "$@"; do
   names+=("$name")
   [[ ${AB_BUILD:-1} == 0 ]] && continue
   rm -rf "$dir" && mkdir -p "$dir"
-  tar --exclude=./build --exclude=./.git --exclude='*.so' --exclude=./csrc/instantiations -cf - . | tar -xf - -C "$dir"
+  tar --exclude=./build --exclude=./.git --exclude='*.so' --exclude=./csrc/instantiations --exclude=./.fa4A \
+    --exclude=./.fa4B -cf - . | tar -xf - -C "$dir"
   for p in ${patches//,/ }; do
     (cd "$dir" && patch -p1 -s <"$OLDPWD/$p") || { echo "$name: $p does not apply" >&2; exit 2; }
   done
