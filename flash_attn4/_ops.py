@@ -365,6 +365,8 @@ def bwd(
         softmax_scale=softmax_scale,
         window_size=(window_left, window_right),
         softcap=softcap,
+        out=out,  # the forward's, reused where it is exact (fp32 / fp64 inputs)
+        lse=lse,
     )
     return tuple(_in_grad_layout(g, t) for g, t in zip(grads, (q, k, v)))
 

@@ -1,15 +1,28 @@
 """The executable spec: exact attention in plain PyTorch.
 
 CPU tensors (and CUDA tensors when no kernel can serve them) run this code, and every test compares the
-kernels against it. It favours obviousness over speed; the only concessions are GQA without repeating
-k/v and chunking over query rows so that long sequences fit in memory.
+kernels against it.
 
-Semantics (DESIGN.md):
+Semantics (README, "API and semantics"):
 - scores s = scale * q.k, scale defaulting to 1/sqrt(headdim); with softcap c > 0, s = c * tanh(s / c).
 - Masks are aligned to the bottom-right corner: query i sits at key position p = i + seqlen_k - seqlen_q.
   causal: key j visible iff j <= p. window (left, right), -1 = unbounded: p - left <= j <= p + right.
   causal=True is the same as right = 0 (and combines with a left window).
 - A query row that sees no key gets out = 0 and lse = -inf, with no NaN in values or gradients.
+
+How it is computed. Two routes give the same values (up to float rounding; tests hold both to a naive
+float64 attention):
+- The plain route: softmax(scale q k^T + mask) v with torch ops, over chunks of query rows (at most
+  _CHUNK_ELEMS scores at once) and, per chunk, only the band of keys the mask lets it see; GQA groups the
+  query heads under their kv head instead of repeating k/v. It runs whenever the fused route does not:
+  CUDA tensors, softcap, upcast=False with fp16/bf16 inputs (that mode is "the math in the input dtype"),
+  a v head dim other than q's, and whenever autograd must record the forward (tests take gradients of
+  attention_ref; the plain route is differentiable op by op).
+- The fused route, CPU only (flash_attn4/_reference_fused.py, whose docstring has the details): torch's
+  own fused CPU attention (`aten::_scaled_dot_product_flash_attention_for_cpu` and its backward), in
+  float32 (bf16/fp16 inputs upcast first) or float64, the bottom-right masks split into the top-left
+  causal and additive masks that kernel knows; rows that see no key never reach it.
+  `_reference_fused._USE_FUSED_CPU = False` switches it off.
 """
 
 from __future__ import annotations
@@ -19,10 +32,15 @@ import math
 import torch
 from torch import Tensor
 
+from flash_attn4._reference_fused import _bhsd, _fused_fwd, _fused_grads, _fused_ok, _hidden, _row_chunks
+
 # Scores held at once per chunk (elements of batch * heads * rows * keys). 2^25 fp32 = 128 MiB, and the
 # softmax keeps a few such temporaries: small enough for a laptop, large enough that a 4224 x 4224
-# problem is only a handful of chunks.
+# problem is only a handful of chunks. On CPU the plain route uses at most _CPU_CHUNK_ELEMS (8 MiB of fp32
+# scores): the fastest of 2^18..2^23 measured on 2 cores (large enough for efficient matmuls, small enough
+# that the softmax temporaries are not fresh pages faulted in for every op).
 _CHUNK_ELEMS = 1 << 25
+_CPU_CHUNK_ELEMS = 1 << 21
 
 
 def visible_mask(
@@ -62,6 +80,47 @@ def _compute_dtype(dtype: torch.dtype, upcast: bool) -> torch.dtype:
     return torch.float32 if upcast else dtype
 
 
+def _mask_bounds(sq: int, sk: int, causal: bool, window_size: tuple[int, int]) -> tuple[int, int, int]:
+    """(left, right, first) for sk >= 1: the window with causal folded in and a side that hides no key
+    dropped (-1 = unbounded, as `_ops._effective_mask`), and the first query row that sees a key.
+
+    Row i sees keys [max(0, p - left), min(sk - 1, p + right)], p = i + sk - sq <= sk - 1. That range is
+    empty only when p + right < 0, so the rows that see no key are exactly the rows before `first`.
+    """
+    left, right = window_size
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    left = -1 if left < 0 or left >= sk - 1 else left
+    right = -1 if right < 0 or right >= sq - 1 else right
+    first = 0 if right < 0 else min(sq, max(0, sq - sk - right))
+    return left, right, first
+
+
+def _records_graph(*ts: Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+
+
+def _with_empty_prefix(
+    out: Tensor, lse: Tensor, first: int, dtype: torch.dtype, lse_dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """out (b, sq, hq, dv) in `dtype` and lse (b, hq, sq) in `lse_dtype` from the rows [first, sq), the rows
+    before `first` (which see no key) being 0 and -inf."""
+    if first == 0:
+        return out.to(dtype), lse.to(lse_dtype).contiguous()
+    b, n, hq, dv = out.shape
+    full = torch.zeros(b, first + n, hq, dv, dtype=dtype, device=out.device)
+    full[:, first:] = out
+    full_lse = torch.full((b, hq, first + n), -math.inf, dtype=lse_dtype, device=out.device)
+    full_lse[:, :, first:] = lse
+    return full, full_lse
+
+
+def _plain_budget(b: int, hq: int, device: torch.device) -> int:
+    """Scores per (batch, head) in one chunk of the plain route."""
+    elems = min(_CHUNK_ELEMS, _CPU_CHUNK_ELEMS) if device.type == "cpu" else _CHUNK_ELEMS
+    return max(1, elems // (b * hq))
+
+
 def attention_ref(
     q: Tensor,
     k: Tensor,
@@ -87,6 +146,8 @@ def attention_ref(
         out: (batch, seqlen_q, nheads_q, headdim) in q's dtype.
         lse: (batch, nheads_q, seqlen_q), natural log of the softmax denominator, float32 (float64 for
             float64 inputs); -inf for rows that see no key.
+
+    Differentiable (autograd through torch ops, the plain route) when autograd records the call.
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
@@ -102,21 +163,28 @@ def attention_ref(
     cdt = _compute_dtype(q.dtype, upcast)
     lse_dtype = torch.float64 if cdt == torch.float64 else torch.float32
 
-    if b * sq * hq == 0 or sk == 0:
-        # No keys at all: every row is a row that sees no key.
+    left, right, first = _mask_bounds(sq, sk, causal, window_size) if sk > 0 else (-1, -1, sq)
+    if b * sq * hq == 0 or first == sq:
+        # No keys at all, or no row sees one.
         out = q.new_zeros(b, sq, hq, dv)
         lse = torch.full((b, hq, sq), -math.inf, dtype=lse_dtype, device=q.device)
         return out, lse
 
-    qg, kt, vh = _grouped(q, k, v, cdt)
+    if _fused_ok(q, v, cdt, softcap) and not _records_graph(q, k, v):
+        qt, kt, vt = _bhsd(q[:, first:], cdt), _bhsd(k, cdt), _bhsd(v, cdt)
+        o, l_ = _fused_fwd(qt, kt, vt, scale, sq, left, right, first, _CHUNK_ELEMS)
+        return _with_empty_prefix(o.transpose(1, 2), l_, first, q.dtype, lse_dtype)
+
+    inplace = not _records_graph(q, k, v)
+    qg, kh, vh = _grouped(q, k, v, cdt)
     outs, lses = [], []
-    for r0, r1 in _row_chunks(b * hq * sk, sq):
-        p, lse, _ = _probs(qg, kt, r0, r1, sq, scale, causal, window_size, softcap)
-        outs.append(torch.matmul(p, vh).view(b, hk, g, r1 - r0, -1))
-        lses.append(lse.to(lse_dtype))
-    out = _ungroup(torch.cat(outs, dim=3)).to(q.dtype)
-    lse = torch.cat(lses, dim=3).reshape(b, hq, sq)
-    return out, lse
+    for r0, r1, lo, hi in _row_chunks(first, sq, sq, sk, left, right, _plain_budget(b, hq, q.device)):
+        p, lse, _ = _probs(qg, kh, r0, r1, lo, hi, sq, scale, left, right, softcap, inplace)
+        outs.append(torch.matmul(p, vh[:, :, lo:hi]).view(b, hk, g, r1 - r0, -1))
+        lses.append(lse)
+    out = _ungroup(torch.cat(outs, dim=3))
+    lse = torch.cat(lses, dim=3).reshape(b, hq, sq - first)
+    return _with_empty_prefix(out, lse, first, q.dtype, lse_dtype)
 
 
 def attention_bwd_ref(
@@ -130,58 +198,92 @@ def attention_bwd_ref(
     softmax_scale: float | None = None,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    out: Tensor | None = None,
+    lse: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of `attention_ref` (the math the backward kernel implements, in float32/float64).
 
     P is recomputed from q, k and the log-sum-exp; D = rowsum(dO * O); dS = P * (dO V^T - D + dlse);
     with softcap, dS is multiplied by tanh' = 1 - tanh^2; dQ = scale dS K, dK = scale dS^T Q, dV = P^T dO.
 
+    The fused CPU route recomputes out and lse with the fused forward and runs the fused backward kernel,
+    which knows no dlse: the dlse term rides on one more head-dim column, zero in q and k (scores unchanged),
+    one in v and dlse in dO (so dO V^T gains + dlse), zero in out (so D does not).
+
     Args:
         dout: (batch, seqlen_q, nheads_q, headdim), gradient of out.
         q, k, v: as for `attention_ref`.
         dlse: (batch, nheads_q, seqlen_q) gradient of lse, or None for zero.
+        out, lse: optionally, what `attention_ref` returned for these inputs. The fused route then skips
+            its forward recompute, but only for float32/float64 inputs, whose out carries the full
+            precision D needs (a bf16/fp16 out was rounded, so it is recomputed in float32 instead).
 
     Returns:
-        dq, dk, dv in the dtypes and shapes of q, k, v; zero for rows that see no key.
+        dq, dk, dv in the dtypes and shapes of q, k, v; zero for rows that see no key. Not differentiable.
     """
+    b, sq, hq, d = q.shape
+    sk = k.shape[1]
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    cdt = _compute_dtype(q.dtype, upcast=True)
+    left, right, first = _mask_bounds(sq, sk, causal, window_size) if sk > 0 else (-1, -1, sq)
+    if b * sq * hq == 0 or first == sq:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    with torch.no_grad():
+        if _fused_ok(q, v, cdt, softcap):
+            saved = None
+            if out is not None and lse is not None and out.dtype == cdt and lse.dtype == cdt:
+                saved = (_bhsd(out[:, first:], cdt), lse[:, :, first:])
+            dq_rows, dk, dv = _fused_grads(
+                dout, q, k, v, dlse, scale, left, right, first, cdt, _CHUNK_ELEMS, saved
+            )
+        else:
+            dq_rows, dk, dv = _plain_grads(dout, q, k, v, dlse, scale, left, right, first, softcap, cdt)
+        if first == 0:
+            dq = dq_rows.to(q.dtype)
+        else:
+            dq = torch.zeros_like(q, memory_format=torch.contiguous_format)
+            dq[:, first:] = dq_rows
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _plain_grads(dout, q, k, v, dlse, scale, left, right, first, softcap, cdt):
+    """As `_reference_fused._fused_grads`, by chunks of rows and their key bands (written out, in place)."""
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     g = hq // hk
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    cdt = _compute_dtype(q.dtype, upcast=True)
-    if b * sq * hq == 0 or sk == 0:
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    qg, kt, vh = _grouped(q, k, v, cdt)
+    qg, kh, vh = _grouped(q, k, v, cdt)
     do = dout.to(cdt).reshape(b, sq, hk, g, -1).permute(0, 2, 3, 1, 4)  # (b, hk, g, sq, dv)
     dl = None if dlse is None else dlse.to(cdt).reshape(b, hk, g, sq)
-    dqs = []
+    dq = torch.empty(b, hk, g, sq - first, d, dtype=cdt, device=q.device)
     dk = torch.zeros(b, hk, sk, d, dtype=cdt, device=q.device)
     dv = torch.zeros(b, hk, sk, v.shape[-1], dtype=cdt, device=q.device)
-    for r0, r1 in _row_chunks(b * hq * sk, sq):
-        p, _, tanh = _probs(qg, kt, r0, r1, sq, scale, causal, window_size, softcap)
+    for r0, r1, lo, hi in _row_chunks(first, sq, sq, sk, left, right, _plain_budget(b, hq, q.device)):
+        p, _, tanh = _probs(qg, kh, r0, r1, lo, hi, sq, scale, left, right, softcap, True, want_tanh=True)
         qc = qg[:, :, :, r0:r1].reshape(b, hk, -1, d)
         doc = do[:, :, :, r0:r1].reshape(b, hk, g * (r1 - r0), -1)
-        o = torch.matmul(p, vh)
+        kb, vb = kh[:, :, lo:hi], vh[:, :, lo:hi]
+        o = torch.matmul(p, vb)
         delta = (doc * o).sum(dim=-1, keepdim=True)
         if dl is not None:
             delta = delta - dl[:, :, :, r0:r1].reshape(b, hk, -1, 1)
-        ds = p * (torch.matmul(doc, vh.transpose(-1, -2)) - delta)
+        ds = torch.matmul(doc, vb.transpose(-1, -2)).sub_(delta).mul_(p)
         if tanh is not None:
-            ds = ds * (1 - tanh * tanh)
-        dqs.append((torch.matmul(ds, kt.transpose(-1, -2)) * scale).view(b, hk, g, r1 - r0, d))
-        dk += torch.matmul(ds.transpose(-1, -2), qc) * scale
-        dv += torch.matmul(p.transpose(-1, -2), doc)
-    dq = _ungroup(torch.cat(dqs, dim=3))
-    return dq.to(q.dtype), dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype)
+            ds.mul_(tanh.mul_(tanh).neg_().add_(1))
+        dq[:, :, :, r0 - first : r1 - first] = torch.matmul(ds, kb).mul_(scale).view(b, hk, g, r1 - r0, d)
+        dk[:, :, lo:hi] += torch.matmul(ds.transpose(-1, -2), qc).mul_(scale)
+        dv[:, :, lo:hi] += torch.matmul(p.transpose(-1, -2), doc)
+    return _ungroup(dq), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
 def _grouped(q: Tensor, k: Tensor, v: Tensor, cdt: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     """q -> (b, hk, g, sq, d): query heads grouped under their kv head, so k/v are never repeated;
-    k -> (b, hk, d, sk); v -> (b, hk, sk, dv)."""
+    k -> (b, hk, sk, d), v -> (b, hk, sk, dv), contiguous, so that a band of keys is a plain matrix
+    that matmul reads in place (a strided band would be copied for every chunk)."""
     b, sq, hq, d = q.shape
     hk = k.shape[2]
     qg = q.to(cdt).reshape(b, sq, hk, hq // hk, d).permute(0, 2, 3, 1, 4)
-    return qg, k.to(cdt).permute(0, 2, 3, 1), v.to(cdt).permute(0, 2, 1, 3)
+    kh, vh = (t.transpose(1, 2).to(cdt, memory_format=torch.contiguous_format) for t in (k, v))
+    return qg, kh, vh
 
 
 def _ungroup(x: Tensor) -> Tensor:
@@ -190,50 +292,57 @@ def _ungroup(x: Tensor) -> Tensor:
     return x.permute(0, 3, 1, 2, 4).reshape(b, sq, hk * g, d)
 
 
-def _row_chunks(elems_per_row: int, sq: int) -> list[tuple[int, int]]:
-    rows = max(1, _CHUNK_ELEMS // max(1, elems_per_row))
-    return [(r0, min(sq, r0 + rows)) for r0 in range(0, sq, rows)]
-
-
 def _probs(
     qg: Tensor,
-    kt: Tensor,
+    kh: Tensor,
     r0: int,
     r1: int,
+    lo: int,
+    hi: int,
     sq: int,
     scale: float,
-    causal: bool,
-    window_size: tuple[int, int],
+    left: int,
+    right: int,
     softcap: float,
+    inplace: bool,
+    want_tanh: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Softmax probabilities of query rows [r0, r1).
+    """Softmax probabilities of query rows [r0, r1) over their key band [lo, hi) (the keys outside it are
+    hidden from every row of the chunk, so they would only add exact zeros).
 
-    Returns P (b, hk, g * rows, sk), lse (b, hk, g, rows) and tanh(x / softcap) (or None) for the backward.
+    Returns P (b, hk, g * rows, hi - lo), lse (b, hk, g, rows) and, with want_tanh and softcap,
+    tanh(x / softcap) for the backward. `inplace` (when autograd does not record) reuses the score buffer.
     """
     b, hk, g, _, d = qg.shape
-    sk = kt.shape[-1]
-    rows = r1 - r0
-    s = torch.matmul(qg[:, :, :, r0:r1].reshape(b, hk, g * rows, d), kt).view(b, hk, g, rows, sk) * scale
+    sk = kh.shape[2]
+    rows, width = r1 - r0, hi - lo
+    s = torch.matmul(qg[:, :, :, r0:r1].reshape(b, hk, g * rows, d), kh[:, :, lo:hi].transpose(-1, -2))
+    s = s.view(b, hk, g, rows, width)
+    s = s.mul_(scale) if inplace else s * scale
     tanh = None
     if softcap > 0:
-        tanh = torch.tanh(s / softcap)
-        s = softcap * tanh
-    mask = visible_mask(
-        sq, sk, causal=causal, window_size=window_size, row_start=r0, row_end=r1, device=qg.device
-    )
-    if mask is not None:
-        s = s.masked_fill(~mask, -math.inf)
+        if inplace:
+            s.div_(softcap).tanh_()
+            tanh = s.clone() if want_tanh else None
+            s.mul_(softcap)
+        else:
+            tanh = torch.tanh(s / softcap)
+            s = softcap * tanh
+    hidden = _hidden(r0, r1, lo, hi, sq, sk, left, right, qg.device)
+    if hidden is not None:
+        s = s.masked_fill_(hidden, -math.inf) if inplace else s.masked_fill(hidden, -math.inf)
     # The max only stabilises exp; detaching it changes neither values nor gradients, and keeps the -inf
     # of rows that see no key out of the graph.
     m = s.amax(dim=-1, keepdim=True).detach()
     empty = torch.isneginf(m)
     m = torch.where(empty, torch.zeros_like(m), m)
-    p = torch.exp(s - m)  # exactly 0 where masked
+    p = s.sub_(m).exp_() if inplace else torch.exp(s - m)  # exactly 0 where masked
     denom = p.sum(dim=-1, keepdim=True)
     denom = torch.where(empty, torch.ones_like(denom), denom)
     lse = torch.where(empty, torch.full_like(m, -math.inf), m + torch.log(denom)).squeeze(-1)
-    p = (p / denom).view(b, hk, g * rows, sk)
-    return p, lse, None if tanh is None else tanh.view(b, hk, g * rows, sk)
+    p = p.div_(denom) if inplace else p / denom
+    p = p.view(b, hk, g * rows, width)
+    return p, lse, None if tanh is None else tanh.view(b, hk, g * rows, width)
 
 
 def _varlen_segments(
