@@ -18,7 +18,7 @@ NVCC_FLAGS = [
     "-O3",
     "-std=c++17",
     "--expt-relaxed-constexpr",
-    # Enables the WGMMA N sizes that are not multiples of 32 (kBlockN = 80 and 112 for hdim 256 / 192).
+    # Enables the WGMMA N sizes that are not multiples of 32 (kBlockN = 112 for hdim 192).
     "-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",
     "-DNDEBUG",
     "-lineinfo",

@@ -60,7 +60,7 @@ constexpr FwdTileSm80 fwd_tile_sm80(int head_dim) {
 //     warpgroup (128 registers at hdim 128) beside S^T, dP^T and the dQ accumulator (BwdTraitsSm90).
 //   hdim > 128 (wide): a 64 x head_dim dK plus dV per warpgroup would be 192 / 256 registers, so the two
 //     warpgroups split dK and dV along head_dim and one CTA owns 64 keys (BwdWideTraitsSm90). Q / dO / K / V
-//     / P / dS at hdim 256 fill 160 KB of shared memory with two stages.
+//     / P / dS at hdim 256 take 226 of the 227 KiB of shared memory with two stages.
 struct BwdTileSm90 {
   int block_m;
   int block_n;
@@ -76,7 +76,7 @@ constexpr BwdTileSm90 bwd_tile_sm90(int head_dim) {
 //   hdim <= 128: 128 keys (16 a warp) x 64 queries a step. 128 queries at hdim 64 (FA2's tile) measured -2.5%
 //     (255 registers with a spill, twice the work between barriers with all 8 warps in lockstep).
 //   hdim > 128: the warps form two halves that split dK / dV's head-dim columns, so a CTA owns 64 keys; 32
-//     queries a step keep shared memory at 137 KB at hdim 256 (A100: 164 KB a CTA).
+//     queries a step keep shared memory at 132.5 KiB at hdim 256 (A100: 164 KB a CTA).
 struct BwdTileSm80 {
   int block_m;
   int block_n;

@@ -15,7 +15,7 @@
 // (64 keys a CTA), each half owning head-dim columns [half * head_dim / 2, ...) of dK and dV for all 64 keys
 // (128 registers at hdim 256). S^T and dP^T contract over the whole head dim and every half needs all of
 // them, so both halves compute them (320 useful of 448 HMMA a step at hdim 256); only half 0 writes dS^T.
-// 32 queries a step keep shared memory at 137 KB at hdim 256 (A100: 164 KB a CTA).
+// 32 queries a step keep shared memory at 132.5 KiB at hdim 256 (A100: 164 KB a CTA).
 #pragma once
 
 #include "utils_sm80.hpp"
