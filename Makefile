@@ -25,7 +25,7 @@ bench:  ## the FlashAttention papers' grid, forward and backward -> benchmarks/r
 bench-varlen:  ## window 4096 at 32k vs causal, varlen 64..8192 vs equal length -> benchmarks/results/<gpu>_varlen.json
 	$(PYTHON) benchmarks/bench_varlen.py
 
-bench-quick:  ## hdim 64/128/256 x seqlen 4096/8192 x causal both, forward and backward
+bench-quick:  ## hdim 64/128/256 x seqlen 4096/8192 x causal both, forward and backward -> <gpu>_{fwd,bwd}_quick.json
 	$(PYTHON) benchmarks/bench_fwd.py --quick $(BENCH_ARGS)
 	$(PYTHON) benchmarks/bench_fwd.py --quick --bwd $(BENCH_ARGS)
 

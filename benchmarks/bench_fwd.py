@@ -2,7 +2,8 @@
 
     python3 benchmarks/bench_fwd.py                # full grid, writes benchmarks/results/<gpu>_fwd.json/.png
     python3 benchmarks/bench_fwd.py --bwd          # the backward: <gpu>_bwd.json/.png
-    python3 benchmarks/bench_fwd.py --quick        # hdim 64/128/256 x seqlen 4096/8192 x causal both
+    python3 benchmarks/bench_fwd.py --quick        # hdim 64/128/256 x seqlen 4096/8192 x causal both,
+                                                   # into <gpu>_{fwd,bwd}_quick.json/.png
     python3 benchmarks/bench_fwd.py --hdims 128 --seqlens 8192 --causal 1 --impls flash_attn4,sdpa_cudnn
 
 Shapes follow the FlashAttention papers: batch * seqlen = 16384 tokens, nheads * headdim = 2048, q/k/v of
@@ -55,7 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=25, help="do_bench warmup (ms)")
     ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time (ms)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds per shape, implementations alternating")
-    ap.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/<gpu>_{fwd,bwd}.json)")
+    ap.add_argument(
+        "--out", type=Path, help="JSON path (default benchmarks/results/<gpu>_{fwd,bwd}[_quick].json)"
+    )
     ap.add_argument("--plot", type=Path, help="PNG path (default: the JSON path with .png)")
     args = ap.parse_args(argv)
     if args.quick:
@@ -270,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     args.impls = available_impls(args.impls)
     records = run(args)
     direction = "bwd" if args.bwd else "fwd"
-    out = args.out or RESULTS / f"{gpu_slug(torch.cuda.get_device_name())}_{direction}.json"
+    suffix = "_quick" if args.quick else ""
+    out = args.out or RESULTS / f"{gpu_slug(torch.cuda.get_device_name())}_{direction}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(records, indent=1) + "\n")
     print(format_table(records))
