@@ -8,7 +8,7 @@ Environment knobs:
   FLASH_ATTN4_DTYPES=bf16         dtypes to compile (default bf16,fp16)
   FLASH_ATTN4_ARCHS=90,80         kernel families (default 90; 80 adds the Ampere-path forward, which is
                                   also compiled for sm_90 so FLASH_ATTN4_FORCE_SM80=1 can run it on Hopper)
-  FLASH_ATTN4_SKIP_CUDA_BUILD=1   install the Python package only (reference path)
+  FLASH_ATTN4_SKIP_CUDA_BUILD=1   install the Python package only (reference path; torch is still required)
   MAX_JOBS=N                      parallel nvcc jobs (default: sized to cores and memory)
   CUTLASS_INCLUDE_DIR=...         CUTLASS headers (default: the pinned nvidia-cutlass wheel)
 """
@@ -41,6 +41,58 @@ def env_list(name: str, default: tuple) -> list[str]:
     return [x.strip() for x in raw.split(",") if x.strip()] if raw else [str(x) for x in default]
 
 
+def torch_missing_message(error: ImportError) -> str:
+    """Why the build stops when torch does not import, and what to run instead."""
+    broken = not (isinstance(error, ModuleNotFoundError) and error.name == "torch")
+    isolated = [p for p in sys.path if "pip-build-env-" in p]
+    lines = [
+        "flash_attn4 is built against the torch you run, so torch must be installed BEFORE flash_attn4 "
+        "(otherwise pip would pull a multi-GB torch of its own choosing and still build no kernels).",
+        f"This build runs on {sys.executable} and "
+        + (f"torch fails to import there: {error}" if broken else "cannot import torch."),
+        "Fix: install torch first (pip install torch, see pytorch.org for the CUDA build matching your "
+        "driver), then run pip install --no-build-isolation . again.",
+    ]
+    if isolated:
+        lines.append(
+            "pip is building in an isolated environment (" + isolated[0] + ") that cannot see an installed "
+            "torch: you ran pip without --no-build-isolation."
+        )
+    else:
+        lines.append("If torch is installed, you ran pip without --no-build-isolation.")
+    if os.environ.get("FLASH_ATTN4_SKIP_CUDA_BUILD", "0") == "1":
+        lines.append(
+            "FLASH_ATTN4_SKIP_CUDA_BUILD=1 skips the kernels, not torch: flash_attn4 imports torch at run "
+            "time; for the reference path alone a CPU-only torch is enough "
+            "(pip install torch --index-url https://download.pytorch.org/whl/cpu)."
+        )
+    return "\n".join(f"[flash_attn4 setup] {line}" for line in lines)
+
+
+def require_torch() -> None:
+    """Stops the build at once (SystemExit with the fix) when torch does not import: the first thing
+    main() does, so pip fails while reading metadata, before it resolves and downloads dependencies."""
+    try:
+        import torch  # noqa: F401
+    except ImportError as e:
+        raise SystemExit(torch_missing_message(e)) from None
+
+
+def no_kernels_message(reason: str) -> str:
+    """The log line for an install without kernels: why, what it means, how to get them."""
+    if reason.startswith("FLASH_ATTN4_SKIP_CUDA_BUILD"):
+        how = "unset FLASH_ATTN4_SKIP_CUDA_BUILD and run pip install --no-build-isolation -v . again"
+    else:
+        how = (
+            "install a CUDA build of torch (pytorch.org) and the CUDA toolkit's nvcc of the same CUDA major "
+            "version, then run pip install --no-build-isolation -v . again"
+        )
+    return (
+        f"building the Python package only, without CUDA kernels: {reason}. flash_attn4 will run on the "
+        f"slow PyTorch reference. To get the kernels: {how}"
+    )
+
+
 def why_no_cuda_build() -> str:
     """Empty string when the CUDA extension can be built, else the reason it cannot."""
     if os.environ.get("FLASH_ATTN4_SKIP_CUDA_BUILD", "0") == "1":
@@ -48,8 +100,8 @@ def why_no_cuda_build() -> str:
     try:
         import torch
         from torch.utils.cpp_extension import CUDA_HOME
-    except ImportError:
-        return "torch is not importable in the build environment (use `pip install --no-build-isolation .`)"
+    except ImportError as e:  # require_torch() ran first; this is a torch without torch.utils.cpp_extension
+        return f"torch.utils.cpp_extension does not import ({e})"
     if torch.version.cuda is None:
         return f"torch {torch.__version__} is a CPU-only build"
     nvcc = Path(CUDA_HOME) / "bin" / "nvcc" if CUDA_HOME else None
@@ -113,6 +165,7 @@ def cuda_extension(archs: list[int], dtypes: list[str], hdims: list[int]):
 
 
 def main() -> None:
+    require_torch()
     dtypes = env_list("FLASH_ATTN4_DTYPES", generate_kernels.DTYPES)
     hdims = [int(h) for h in env_list("FLASH_ATTN4_HDIMS", generate_kernels.HDIMS)]
     archs = sorted({int(a) for a in env_list("FLASH_ATTN4_ARCHS", generate_kernels.ARCHS)})
@@ -131,7 +184,7 @@ def main() -> None:
     reason = why_no_cuda_build()
     ext_modules, cmdclass = [], {}
     if reason:
-        log(f"building the Python package only, without CUDA kernels: {reason}")
+        log(no_kernels_message(reason))
     else:
         from torch.utils.cpp_extension import BuildExtension
 
@@ -148,4 +201,7 @@ def main() -> None:
     )
 
 
-main()
+# setuptools' build backend and `python setup.py` run this file as __main__; tests import it to reach the
+# helpers without building.
+if __name__ == "__main__":
+    main()

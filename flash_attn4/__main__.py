@@ -2,6 +2,7 @@
 
 python -m flash_attn4                       # report + self-test
 python -m flash_attn4 --shape 2,4096,16,4,128 --dtype bf16 --causal   # which path this call takes
+python -m flash_attn4 --dtype fp16          # self-test in fp16 (default: CPU fp32, CUDA bf16 and fp16)
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def report_environment() -> None:
         )
     else:
         print(f"no CUDA kernels: {_build_info.REASON}")
+        print(build_instructions())
     ext, why = _build_info.load_extension()
     if ext is not None:
         names = ext.compiled_kernels()
@@ -51,6 +53,35 @@ def report_environment() -> None:
     for i in range(torch.cuda.device_count()):
         major, minor = torch.cuda.get_device_capability(i)
         print(f"cuda:{i} {torch.cuda.get_device_name(i)} sm{major}{minor}")
+
+
+def build_instructions() -> str:
+    """How to get the kernels: the same words every "why not" message carries (_build_info._REBUILD_HINT)."""
+    return (
+        "to build the CUDA kernels: install torch first (the CUDA build matching your driver, see "
+        "pytorch.org), then, from a flash_attn4 source checkout, "
+        f"{_build_info._REBUILD_HINT}"
+    )
+
+
+def shape_problem(shape: tuple[int, ...]) -> str:
+    """Why (b, seqlen_q, nheads_q, nheads_kv, headdim) cannot be a call, or "" when it can."""
+    b, sq, hq, hk, d = shape
+    if min(shape) < 0:
+        return f"--shape {','.join(map(str, shape))}: sizes cannot be negative"
+    if hq == 0 or hk == 0 or d == 0:
+        return (
+            f"--shape {','.join(map(str, shape))}: nheads_q, nheads_kv and headdim must be at least 1 "
+            f"(got nheads_q={hq}, nheads_kv={hk}, headdim={d})"
+        )
+    if hq % hk != 0:
+        divisors = [x for x in range(1, hq + 1) if hq % x == 0]
+        return (
+            f"--shape {','.join(map(str, shape))}: nheads_q ({hq}) is not a multiple of nheads_kv ({hk}), "
+            "so the heads cannot be split into GQA/MQA groups (each K/V head serves nheads_q / nheads_kv "
+            f"query heads); attn() rejects such q, k, v. Choose nheads_kv from {divisors}"
+        )
+    return ""
 
 
 def explain_path(shape: tuple[int, ...], dtype: torch.dtype, causal: bool) -> None:
@@ -112,11 +143,17 @@ def _self_test_case(device: torch.device, dtype: torch.dtype, causal: bool) -> t
     return ok, f"max errors: {', '.join(parts)}, lse {lse_err:.1e}"
 
 
-def self_test() -> bool:
+def self_test(dtype: torch.dtype | None = None) -> bool:
+    """Forward and backward on CPU and, when visible, CUDA: in `dtype` on each device, or by default in
+    float32 on CPU and bfloat16 and float16 on CUDA (the dtypes the kernels are built for)."""
     _section("self-test (forward and backward against an independent float64 softmax(QK^T)V)")
-    cases = [(torch.device("cpu"), torch.float32)]
-    if torch.cuda.is_available():
-        cases += [(torch.device("cuda"), torch.bfloat16), (torch.device("cuda"), torch.float16)]
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    if dtype is not None:
+        cases = [(cpu, dtype)] + ([(cuda, dtype)] if torch.cuda.is_available() else [])
+    else:
+        cases = [(cpu, torch.float32)]
+        if torch.cuda.is_available():
+            cases += [(cuda, torch.bfloat16), (cuda, torch.float16)]
     all_ok = True
     for device, dtype in cases:
         arch = _build_info.kernel_available(device, dtype, 64)[0]
@@ -134,16 +171,28 @@ def self_test() -> bool:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m flash_attn4", description=__doc__.splitlines()[0])
     ap.add_argument("--shape", help="b,seqlen_q,nheads_q,nheads_kv,headdim: say which path such a call takes")
-    ap.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+    ap.add_argument(
+        "--dtype",
+        choices=sorted(_DTYPES),
+        help="dtype of the --shape call (default bf16) and of the self-test (default: fp32 on CPU, bf16 "
+        "and fp16 on CUDA)",
+    )
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--no-self-test", action="store_true")
     args = ap.parse_args(argv)
-    report_environment()
-    shape = tuple(int(x) for x in args.shape.split(",")) if args.shape else (2, 4096, 16, 16, 128)
+    try:
+        shape = tuple(int(x) for x in args.shape.split(",")) if args.shape else (2, 4096, 16, 16, 128)
+    except ValueError:
+        shape = ()
     if len(shape) != 5:
         ap.error("--shape takes five integers: b,seqlen_q,nheads_q,nheads_kv,headdim")
-    explain_path(shape, _DTYPES[args.dtype], args.causal)
-    return 0 if args.no_self_test or self_test() else 1
+    problem = shape_problem(shape)
+    if problem:
+        ap.error(problem)
+    dtype = _DTYPES[args.dtype] if args.dtype else None
+    report_environment()
+    explain_path(shape, dtype or torch.bfloat16, args.causal)
+    return 0 if args.no_self_test or self_test(dtype) else 1
 
 
 if __name__ == "__main__":

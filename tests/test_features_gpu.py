@@ -127,7 +127,7 @@ MANY_TILE_CASES = {
     "q_longer": ((2, 3000, 700), ((50, 0), False)),
     "k_longer": ((1, 900, 4000), ((300, 20), False)),
     # Windows aligned to the 128-key blocks, where a tile's only masked blocks are its first and last and each
-    # warpgroup sees only half of one of them (the edge-first forward of docs/experiments.md merges those); the
+    # warpgroup sees only half of one of them (the edge-first forward of docs/experiments.md merges them); the
     # second with 128 more keys than queries, a padded last query tile and a partial last key block.
     "aligned": ((2, 2048, 2048), ((512, 0), True)),
     "aligned_ragged": ((1, 2000, 2128), ((384, 0), False)),

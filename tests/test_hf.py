@@ -186,6 +186,8 @@ def test_unsupported_options_are_clear_errors():
     k = v = torch.randn(1, 2, 6, 16)
     with pytest.raises(ValueError, match="dropout"):
         hf.attention_forward(module, q, k, v, None, dropout=0.1)
+    module.eval()  # a module that is not training never fails for its dropout
+    assert hf.attention_forward(module, q, k, v, None, dropout=0.1)[0].shape == (1, 6, 4, 16)
     with pytest.raises(NotImplementedError, match="s_aux"):
         hf.attention_forward(module, q, k, v, None, s_aux=torch.zeros(4))
     with pytest.raises(ValueError, match="attention mask"):
@@ -201,3 +203,73 @@ def test_compile_fullgraph_no_graph_breaks():
             lambda x: ours(x, use_cache=False).logits, fullgraph=True, backend="aot_eager"
         )
         torch.testing.assert_close(compiled(ids), eager, atol=1e-5, rtol=1e-5)
+
+
+def _bert(attention_probs_dropout_prob: float, impl: str = "eager"):
+    """A tiny random-weight BertModel (bidirectional encoder, 2-D padding mask)."""
+    cfg = transformers.BertConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=attention_probs_dropout_prob,
+    )
+    torch.manual_seed(0)
+    return transformers.BertModel._from_config(cfg, attn_implementation=impl)
+
+
+def test_bert_dropout_names_the_config_field_bert_has():
+    model = flash_attn4.patch_transformers(_bert(0.1))
+    ids, mask = _batch(left=False)
+    model.train()
+    with pytest.raises(ValueError, match="attention_probs_dropout_prob") as info:
+        model(ids, attention_mask=mask)
+    text = str(info.value)
+    assert "attention_probs_dropout_prob=0.0" in text and 'attn_implementation="sdpa"' in text
+    assert "config.attention_dropout" not in text  # not BERT's field
+
+
+@pytest.mark.parametrize("other", ["eager", "sdpa"])
+def test_bert_with_dropout_runs_in_eval_mode(other):
+    ref = _bert(0.1, other).eval()
+    ours = flash_attn4.patch_transformers(copy.deepcopy(ref))
+    ids, mask = _batch(left=False)
+    with torch.no_grad():
+        a = ref(ids, attention_mask=mask).last_hidden_state
+        b = ours(ids, attention_mask=mask).last_hidden_state
+    keep = mask.bool()
+    torch.testing.assert_close(b[keep], a[keep], atol=1e-4, rtol=1e-4)
+
+
+def test_bert_without_dropout_trains_a_step():
+    ref = _bert(0.0)
+    ours = flash_attn4.patch_transformers(copy.deepcopy(ref))
+    ids, mask = _batch(left=False)
+    grads = []
+    for model in (ref, ours):
+        model.train()
+        out = model(ids, attention_mask=mask).last_hidden_state
+        out[mask.bool()].square().mean().backward()
+        grads.append(model.encoder.layer[0].attention.self.query.weight.grad)
+    assert torch.isfinite(grads[1]).all() and grads[1].abs().sum() > 0
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-4, rtol=1e-4)
+    torch.optim.SGD(ours.parameters(), lr=0.1).step()
+
+
+@pytest.mark.parametrize(
+    "config, field",
+    [
+        (lambda: transformers.LlamaConfig(**_COMMON, attention_dropout=0.1), "attention_dropout"),
+        (lambda: transformers.GPT2Config(n_embd=64, n_layer=1, n_head=4), "attn_pdrop"),
+    ],
+    ids=["llama", "gpt2"],
+)
+def test_dropout_message_names_each_models_field(config, field):
+    module = torch.nn.Module()
+    module.config = config()
+    q = torch.randn(1, 4, 6, 16)
+    with pytest.raises(ValueError, match=f"{field}=0.0"):
+        hf.attention_forward(module, q, q, q, None, dropout=0.1)

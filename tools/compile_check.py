@@ -25,8 +25,8 @@ import generate_kernels  # noqa: E402
 
 # Bytes of spill stores tolerated in a main kernel, per (direction, arch); anything more is a regression.
 # sm90 backward: 16 (it has spilled up to 12 bytes of per-head loop state, outside the per-query-block loop).
-# sm80 backward: 64 (up to 20 bytes non-causal, 24 causal at hdim 128: dK and dV hold 128 of the 255 registers;
-# docs/design.md, "sm80 kernels").
+# sm80 backward: 64 (up to 20 bytes non-causal, 24 causal at hdim 128: dK and dV hold 128 of the 255
+# registers; docs/design.md, "sm80 kernels").
 SPILL_BUDGET = {("fwd", 90): 0, ("bwd", 90): 16, ("fwd", 80): 0, ("bwd", 80): 64}
 
 

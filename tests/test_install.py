@@ -1,0 +1,172 @@
+"""Install and import messages: setup.py stops early without torch and says how to install it; an install
+without kernels says it runs on the reference; the package warns once at import when a CUDA device is
+visible but the kernels are not there, and stays silent on CPU-only machines.
+
+Every run of setup.py here stops before it writes anything (require_torch() is the first thing main()
+does), and the helpers are reached by importing setup.py as a module (it calls main() only as __main__).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SETUP = ROOT / "setup.py"
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, **env},
+        timeout=300,
+    )
+
+
+@pytest.fixture(scope="module")
+def setup_module():
+    """setup.py as a module named fa4_setup (so main() does not run), sys.path restored afterwards."""
+    saved = list(sys.path)
+    spec = importlib.util.spec_from_file_location("fa4_setup", SETUP)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path[:] = saved
+
+
+# --- setup.py without torch ---------------------------------------------------------------------------
+
+_RUN_SETUP_WITHOUT_TORCH = (
+    "import runpy, sys; sys.modules['torch'] = None; sys.argv = ['setup.py', '--version']; "
+    f"runpy.run_path({str(SETUP)!r}, run_name='__main__')"
+)
+
+
+@pytest.mark.parametrize("skip", ["0", "1"], ids=["default", "skip_cuda_build"])
+def test_setup_stops_early_without_torch(skip):
+    config = ROOT / "flash_attn4" / "_build_config.py"
+    before = config.read_text() if config.exists() else None
+    proc = _python(_RUN_SETUP_WITHOUT_TORCH, FLASH_ATTN4_SKIP_CUDA_BUILD=skip)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    text = proc.stderr
+    assert "Traceback" not in text
+    assert (
+        "install torch first (pip install torch, see pytorch.org for the CUDA build matching your driver)"
+        in text
+    )
+    assert "then run pip install --no-build-isolation . again" in text
+    assert "if torch is installed, you ran pip without --no-build-isolation" in text.lower()
+    assert ("FLASH_ATTN4_SKIP_CUDA_BUILD=1 skips the kernels, not torch" in text) == (skip == "1")
+    # Nothing was written: the check comes before everything else.
+    assert (config.read_text() if config.exists() else None) == before
+
+
+def test_torch_missing_message_sees_pip_build_isolation(setup_module, monkeypatch):
+    monkeypatch.setattr(sys, "path", [*sys.path, "/tmp/pip-build-env-abc123/overlay/lib/site-packages"])
+    text = setup_module.torch_missing_message(ModuleNotFoundError("No module named 'torch'", name="torch"))
+    assert "isolated environment (/tmp/pip-build-env-abc123" in text
+    assert "you ran pip without --no-build-isolation" in text
+
+
+def test_torch_missing_message_reports_a_broken_torch(setup_module):
+    error = ImportError("libtorch_cuda.so: cannot open shared object file")
+    text = setup_module.torch_missing_message(error)
+    assert "torch fails to import there: libtorch_cuda.so" in text
+    assert "install torch first" in text
+
+
+# --- setup.py with torch but no kernels ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "reason, how",
+    [
+        ("torch 2.13.0+cpu is a CPU-only build", "install a CUDA build of torch"),
+        ("nvcc was not found (set CUDA_HOME or put nvcc on PATH)", "nvcc of the same CUDA major version"),
+        ("FLASH_ATTN4_SKIP_CUDA_BUILD=1", "unset FLASH_ATTN4_SKIP_CUDA_BUILD"),
+    ],
+    ids=["cpu_torch", "no_nvcc", "skip"],
+)
+def test_no_kernels_log_line(setup_module, reason, how):
+    text = setup_module.no_kernels_message(reason)
+    assert reason in text
+    assert "flash_attn4 will run on the slow PyTorch reference" in text
+    assert how in text and "pip install --no-build-isolation -v ." in text
+
+
+def test_why_no_cuda_build_here(setup_module, monkeypatch):
+    import torch
+
+    monkeypatch.setenv("FLASH_ATTN4_SKIP_CUDA_BUILD", "1")
+    assert setup_module.why_no_cuda_build() == "FLASH_ATTN4_SKIP_CUDA_BUILD=1"
+    monkeypatch.delenv("FLASH_ATTN4_SKIP_CUDA_BUILD")
+    if torch.version.cuda is None:
+        assert "CPU-only build" in setup_module.why_no_cuda_build()
+
+
+# --- the warning at import -------------------------------------------------------------------------------
+
+# Imports flash_attn4 in a fresh interpreter with torch.cuda.is_available() forced, and prints the
+# ReferenceFallbackWarnings seen (importing twice: the second import must not warn again).
+_IMPORT_SHIM = """
+import json, sys, warnings
+import torch
+torch.cuda.is_available = lambda: {cuda}
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    import flash_attn4
+    import flash_attn4
+from flash_attn4 import _build_info, _ops
+print(json.dumps({{
+    "warnings": [str(w.message) for w in seen if issubclass(w.category, _ops.ReferenceFallbackWarning)],
+    "is_built": flash_attn4.is_built(),
+    "why": _build_info.load_extension()[1],
+    "said_once": _build_info.load_extension()[1] in _ops._warned,
+    "category": flash_attn4.ReferenceFallbackWarning is _ops.ReferenceFallbackWarning,
+}}))
+"""
+
+
+def _import_report(cuda: bool) -> dict:
+    proc = _python(_IMPORT_SHIM.format(cuda=cuda))
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_import_warns_once_with_a_cuda_device_and_no_kernels():
+    report = _import_report(cuda=True)
+    assert report["category"]
+    if report["is_built"]:
+        assert report["warnings"] == []  # kernels there: nothing to say
+        return
+    (message,) = report["warnings"]
+    assert message.startswith("flash_attn4: ")
+    assert "slow PyTorch reference" in message
+    assert report["why"] in message  # the reason (REASON) and the fix (_REBUILD_HINT) ...
+    assert "pip install --no-build-isolation -v ." in message
+    assert report["said_once"]  # ... and the first CUDA call does not repeat it
+
+
+def test_import_is_silent_on_a_cpu_only_machine():
+    assert _import_report(cuda=False)["warnings"] == []
+
+
+def test_import_warning_can_be_filtered_before_import():
+    code = (
+        "import warnings; warnings.filterwarnings('error', message='flash_attn4'); "
+        "warnings.filterwarnings('ignore', message='flash_attn4: '); "
+        "import torch; torch.cuda.is_available = lambda: True; import flash_attn4; print('ok')"
+    )
+    proc = _python(code)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr
