@@ -51,10 +51,18 @@ struct EpilogueBwdSm90 {
   };
 
   static Params to_params(BwdParams const& p) {
-    return {p.dq_accum,        p.dq_semaphore,  p.dk,
-            p.dv,              p.dk_batch_stride, p.dk_row_stride,
-            p.dk_head_stride,  p.dv_batch_stride, p.dv_row_stride,
-            p.dv_head_stride,  p.accum_head_stride, p.softmax_scale};
+    return {p.dq_accum,
+            p.dq_semaphore,
+            p.dk,
+            p.dv,
+            p.dk_batch_stride,
+            p.dk_row_stride,
+            p.dk_head_stride,
+            p.dv_batch_stride,
+            p.dv_row_stride,
+            p.dv_head_stride,
+            p.accum_head_stride,
+            p.softmax_scale};
   }
 
   // The key block of launch index `block` (of num_blocks). Deterministic causal dQ goes from the last key block
