@@ -24,3 +24,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    # Also under -q (which hides the header): which package ran, for .ci/run's installed-package check.
+    terminalreporter.write_line(f"flash_attn4 under test: {flash_attn4.__file__}")
