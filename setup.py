@@ -153,7 +153,7 @@ def cuda_extension(archs: list[int], dtypes: list[str], hdims: list[int]):
     log(f"compiling {len(kernels)} kernel instantiations: archs={archs} dtypes={dtypes} hdims={hdims}")
     return CUDAExtension(
         name="flash_attn4._C",
-        sources=[str(ROOT / "csrc" / "flash_api.cpp"), *map(str, sources)],
+        sources=[str(ROOT / "csrc" / "flash_api.cpp"), str(ROOT / "csrc" / "decode_api.cpp"), *map(str, sources)],
         include_dirs=[str(p) for p in build_flags.include_dirs()],
         extra_compile_args={
             "cxx": ["-O3"],  # the C++ standard is torch's choice (C++20 for torch >= 2.13)

@@ -63,10 +63,35 @@ inline const BwdKernelEntry* find_bwd_kernel(int arch, DType dtype, int head_dim
   return nullptr;
 }
 
+// Decode (split-KV, KV caches): one family for every arch from sm80 on (decode/kernel_decode.hpp), per
+// (dtype, head dim, paged cache). `append` non-null: the append / rotary kernel runs first.
+using DecodeLauncher = void (*)(const DecodeParams&, const AppendParams*, cudaStream_t);
+
+struct DecodeKernelEntry {
+  DType dtype;
+  int head_dim;
+  bool paged;
+  DecodeLauncher launch;
+  const char* name;
+};
+
+extern const DecodeKernelEntry kDecodeKernels[];
+extern const int kNumDecodeKernels;
+
+inline const DecodeKernelEntry* find_decode_kernel(DType dtype, int head_dim, bool paged) {
+  for (int i = 0; i < kNumDecodeKernels; ++i) {
+    const DecodeKernelEntry& e = kDecodeKernels[i];
+    if (e.dtype == dtype && e.head_dim == head_dim && e.paged == paged) return &e;
+  }
+  return nullptr;
+}
+
 // Declared here, defined (and explicitly instantiated, one combination per .cu) in launch/.
 template <int Arch, DType kDType, int kHeadDim, bool kCausal, bool kLocal>
 void run_fwd(const FwdParams& params, cudaStream_t stream);
 template <int Arch, DType kDType, int kHeadDim, bool kCausal, bool kLocal>
 void run_bwd(const BwdParams& params, cudaStream_t stream);
+template <DType kDType, int kHeadDim, bool kPaged>
+void run_decode(const DecodeParams& params, const AppendParams* append, cudaStream_t stream);
 
 }  // namespace flash4

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "binding_common.h"
 #include "common/trace.hpp"
 #include "dispatch.h"
 #include "params.h"
@@ -16,55 +17,7 @@
 namespace {
 
 using flash4::DType;
-
-// Error messages are assembled with std::to_string and std::string only. Streaming integers into
-// c10::str (std::ostringstream) crashed on the H200 machine: the extension, built by that machine's
-// newer g++, carried its own ostream<<long whose locale facets did not match the process's libstdc++.
-std::string str(at::IntArrayRef xs) {
-  std::string s = "(";
-  for (size_t i = 0; i < xs.size(); ++i) s += (i ? ", " : "") + std::to_string(xs[i]);
-  return s + ")";
-}
-std::string str(int64_t x) { return std::to_string(x); }
-
-// TMA descriptors need 16-byte aligned base addresses and strides (8 elements of a 16-bit type) and a
-// contiguous innermost dimension. The Python side copies inputs that break this; these checks make a
-// direct call fail loudly instead of faulting.
-void check_tma_layout(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.stride(-1) == 1, std::string("flash_attn4: ") + name +
-                                     " must have a contiguous last dimension (stride 1), got strides " +
-                                     str(t.strides()));
-  for (int d = 0; d < t.dim() - 1; ++d) {
-    TORCH_CHECK(t.stride(d) % 8 == 0, std::string("flash_attn4: every stride of ") + name +
-                                          " except the last must be a multiple of 8 elements (16 bytes) "
-                                          "for TMA; got " + str(t.strides()) + ". Call .contiguous() first.");
-  }
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
-              std::string("flash_attn4: ") + name +
-                  " must start at a 16-byte aligned address (got a view with an odd offset); call .contiguous().");
-}
-
-int device_arch(const at::Tensor& t) {
-  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(t.get_device());
-  return prop->major * 10 + prop->minor;
-}
-
-// The kernel family a call asks for (flash_attn4/_build_info.py kernel_arch decides it, FLASH_ATTN4_FORCE_SM80
-// included): 90 runs the sm_90a kernels, an arch-specific target that only compute capability 9.0 executes; 80
-// the Ampere-path kernels, built for sm_80 (and sm_90, so Hopper can run them), any capability from 8.0 on.
-void check_kernel_arch(const at::Tensor& q, int64_t kernel_arch) {
-  const int arch = device_arch(q);
-  TORCH_CHECK(kernel_arch == 90 || kernel_arch == 80,
-              "flash_attn4: kernel_arch must be 90 or 80 (flash_attn4._build_info.kernel_arch picks it), got " +
-                  str(kernel_arch));
-  TORCH_CHECK(kernel_arch != 90 || arch == 90,
-              "flash_attn4: the sm90 kernels run on compute capability 9.0 only; this device is sm_" + str(arch));
-  TORCH_CHECK(kernel_arch != 80 || arch >= 80,
-              "flash_attn4: the Ampere-path kernels need compute capability 8.0 or newer; this device is sm_" +
-                  str(arch));
-}
-
-using OptTensor = std::optional<at::Tensor>;
+using namespace flash4::binding;
 
 // The options shared by forward and backward: masks, softcap and packed-batch geometry.
 struct Options {
@@ -135,7 +88,7 @@ at::Tensor g_trace;
 
 template <class P>
 void set_device_fields(P& p, const at::Tensor& q) {
-  p.num_sms = at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
+  p.num_sms = num_sms(q);
   p.trace = g_trace.defined() && g_trace.device() == q.device()
                 ? reinterpret_cast<unsigned long long*>(g_trace.data_ptr<int64_t>())
                 : nullptr;
@@ -366,10 +319,15 @@ std::vector<std::string> compiled_kernels() {
   std::vector<std::string> names;
   for (int i = 0; i < flash4::kNumFwdKernels; ++i) names.emplace_back(flash4::kFwdKernels[i].name);
   for (int i = 0; i < flash4::kNumBwdKernels; ++i) names.emplace_back(flash4::kBwdKernels[i].name);
+  for (int i = 0; i < flash4::kNumDecodeKernels; ++i) names.emplace_back(flash4::kDecodeKernels[i].name);
   return names;
 }
 
 }  // namespace
+
+namespace flash4::binding {
+void register_decode(pybind11::module_& m);  // decode_api.cpp
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "flash_attn4 CUDA kernels (use flash_attn4.attn, not this module directly)";
@@ -385,6 +343,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("cu_seqlens_q") = py::none(), py::arg("cu_seqlens_k") = py::none(), py::arg("seqused_q") = py::none(),
         py::arg("seqused_k") = py::none(), py::arg("max_seqlen_q") = 0, py::arg("max_seqlen_k") = 0,
         py::arg("kernel_arch") = 0);
+  flash4::binding::register_decode(m);
   m.def("compiled_kernels", &compiled_kernels, "Names of the kernel instantiations in this build");
   m.def("set_trace", &set_trace, "Per-CTA profiling buffer for builds with -DFLASH4_TRACE (None: off)",
         py::arg("buf") = py::none());

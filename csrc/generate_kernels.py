@@ -63,6 +63,38 @@ class Kernel:
         )
 
 
+@dataclass(frozen=True)
+class DecodeKernel:
+    """The decode family (split-KV over a contiguous or paged cache): one per (dtype, head dim, cache kind),
+    compiled for every target of the build (it uses only sm80 instructions)."""
+
+    dtype: str
+    hdim: int
+    paged: bool
+
+    @property
+    def name(self) -> str:
+        return f"decode_{self.dtype}_hdim{self.hdim}_{'paged' if self.paged else 'contiguous'}"
+
+    @property
+    def template_args(self) -> str:
+        return f"{_CPP_DTYPE[self.dtype]}, {self.hdim}, {str(self.paged).lower()}"
+
+    def source(self) -> str:
+        return (
+            _HEADER
+            + '#include "../launch/launch_decode.hpp"\n\n'
+            + "namespace flash4 {\n"
+            + f"template <>\nvoid run_decode<{self.template_args}>"
+            + "(const DecodeParams& params, const AppendParams* append, cudaStream_t stream) {\n"
+            + f"  run_decode_impl<{self.template_args}>(params, append, stream);\n}}\n}}  // namespace flash4\n"
+        )
+
+
+def decode_kernels(dtypes=DTYPES, hdims=HDIMS) -> list[DecodeKernel]:
+    return [DecodeKernel(d, h, paged) for d, h, paged in itertools.product(dtypes, hdims, (False, True))]
+
+
 def kernels(archs=ARCHS, dtypes=DTYPES, hdims=HDIMS) -> list[Kernel]:
     """Every (direction, arch, dtype, head dim, mask): each built family has both directions of every mask, so
     the Python side can take one kernel family for a whole call (flash_attn4/_build_info.py)."""
@@ -97,12 +129,29 @@ def _table(direction: str, ks: list[Kernel]) -> str:
     )
 
 
-def table_source(ks: list[Kernel]) -> str:
+def _decode_table(ds: list[DecodeKernel]) -> str:
+    decls = "".join(
+        f"template <>\nvoid run_decode<{k.template_args}>(const DecodeParams&, const AppendParams*, cudaStream_t);\n"
+        for k in ds
+    )
+    rows = "".join(f'    {{{k.template_args}, &run_decode<{k.template_args}>, "{k.name}"}},\n' for k in ds)
+    sentinel = '    {DType::kBF16, 0, false, nullptr, "none"},\n'
+    return (
+        decls
+        + "\nconst DecodeKernelEntry kDecodeKernels[] = {\n"
+        + rows
+        + sentinel
+        + f"}};\nconst int kNumDecodeKernels = {len(ds)};\n\n"
+    )
+
+
+def table_source(ks: list[Kernel], ds: list[DecodeKernel]) -> str:
     return (
         _HEADER
         + '#include "../dispatch.h"\n\nnamespace flash4 {\n\n'
         + _table("fwd", ks)
         + _table("bwd", ks)
+        + _decode_table(ds)
         + "}  // namespace flash4\n"
     )
 
@@ -113,16 +162,19 @@ def write_if_changed(path: Path, text: str) -> None:
         path.write_text(text)
 
 
-def generate(outdir: Path, ks: list[Kernel]) -> list[Path]:
-    """Writes the instantiations and the table into outdir; returns the paths of all sources to compile."""
+def generate(outdir: Path, ks: list[Kernel], ds: list[DecodeKernel] | None = None) -> list[Path]:
+    """Writes the instantiations and the table into outdir; returns the paths of all sources to compile.
+    `ds` defaults to the decode kernels of the dtypes and head dims in `ks`."""
     outdir.mkdir(parents=True, exist_ok=True)
+    if ds is None:
+        ds = decode_kernels(sorted({k.dtype for k in ks}), sorted({k.hdim for k in ks}))
     paths = []
-    for k in ks:
+    for k in [*ks, *ds]:
         p = outdir / f"{k.name}.cu"
         write_if_changed(p, k.source())
         paths.append(p)
     table = outdir / "kernel_table.cpp"
-    write_if_changed(table, table_source(ks))
+    write_if_changed(table, table_source(ks, ds))
     keep = {p.name for p in paths} | {table.name}
     for stale in outdir.glob("*.cu"):
         if stale.name not in keep:

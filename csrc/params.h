@@ -153,4 +153,72 @@ struct BwdParams : SeqMaskParams {
   DType dtype = DType::kBF16;
 };
 
+// Decoding from a KV cache (csrc/decode/): few query rows per sequence, a long cache. The query heads of one
+// KV head are packed into the rows of one tile (row r of KV head g is query token r / group, head
+// g * group + r % group), so each K/V tile is read once per group; the keys of a sequence are cut into
+// num_splits slices, one CTA each, whose fp32 partials a combine kernel merges through their LSEs.
+struct DecodeParams : SeqMaskParams {
+  // q: (batch, seqlen_q, nheads_q, head_dim), last dim contiguous.
+  const void* q = nullptr;
+  int64_t q_batch_stride = 0, q_row_stride = 0, q_head_stride = 0;
+
+  // Contiguous caches: k, v (cache_batch, capacity, nheads_kv, head_dim), the batch stride per cache row.
+  // Paged caches (page_table non-null): k, v (num_pages, page_size, nheads_kv, head_dim), the batch stride
+  // per page; key t of sequence b lives in page page_table[b * page_table_stride + t / page_size], row
+  // t % page_size. A page id outside [0, num_pages) reads as zeros and is never written.
+  const void* k = nullptr;
+  const void* v = nullptr;
+  int64_t k_batch_stride = 0, k_row_stride = 0, k_head_stride = 0;
+  int64_t v_batch_stride = 0, v_row_stride = 0, v_head_stride = 0;
+  const int* page_table = nullptr;
+  int64_t page_table_stride = 0;
+  int page_size = 0, num_pages = 0;
+  int capacity = 0;     // key rows a sequence can hold: the cache's seqlen, or max_pages * page_size
+  int cache_batch = 0;  // rows of a contiguous cache (cache_batch_idx values are clamped into it)
+
+  // Per sequence (all optional, int32 (batch,), read on the device): the keys are cache rows
+  // [leftpad, cache_seqlens + seqlen_new), clamped to [0, capacity); without cache_seqlens the cache is full
+  // (capacity rows). cache_batch_idx maps batch row b to cache row cache_batch_idx[b] (contiguous caches).
+  const int* cache_seqlens = nullptr;
+  const int* cache_leftpad = nullptr;
+  const int* cache_batch_idx = nullptr;
+  int seqlen_new = 0;  // tokens appended this call (already written to the cache by the append kernel)
+
+  // out: like q; lse: (batch, nheads_q, seqlen_q) fp32 contiguous.
+  void* o = nullptr;
+  int64_t o_batch_stride = 0, o_row_stride = 0, o_head_stride = 0;
+  float* lse = nullptr;
+
+  // num_splits > 1: partials o_accum (num_splits, batch, nheads_q, seqlen_q, head_dim) and lse_accum
+  // (num_splits, batch, nheads_q, seqlen_q), fp32 contiguous; an empty slice writes 0 and -inf.
+  int num_splits = 1;
+  float* o_accum = nullptr;
+  float* lse_accum = nullptr;
+
+  int batch = 0, seqlen_q = 0, nheads_q = 0, nheads_kv = 0, head_dim = 0;
+  DType dtype = DType::kBF16;
+};
+
+// The append kernel (decode/append_kv.hpp): new k, v (batch, seqlen_new, nheads_kv, head_dim) written into
+// the cache of DecodeParams at rows cache_seqlens[b] + t (a row past the capacity, or in a page outside the
+// pool, is skipped), with rotary on k and on q (q_rot gets the rotated q) when cos / sin are given.
+struct AppendParams {
+  const void* k_new = nullptr;
+  const void* v_new = nullptr;
+  int64_t kn_batch_stride = 0, kn_row_stride = 0, kn_head_stride = 0;
+  int64_t vn_batch_stride = 0, vn_row_stride = 0, vn_head_stride = 0;
+  // Rotary: the caller's q (strides in elements) is rotated into q_rot, (batch, seqlen_q, nheads_q, head_dim)
+  // contiguous, which the attention kernel then reads (DecodeParams::q); null without rotary.
+  const void* q = nullptr;
+  int64_t q_batch_stride = 0, q_row_stride = 0, q_head_stride = 0;
+  void* q_rot = nullptr;
+  // rotary_cos / rotary_sin: (seqlen_ro, rotary_dim / 2), q's dtype, contiguous; positions past seqlen_ro
+  // are clamped to its last row.
+  const void* cos = nullptr;
+  const void* sin = nullptr;
+  int rotary_dim = 0, seqlen_ro = 0;
+  bool interleaved = false;
+  bool q_per_token = true;  // q token t at cache_seqlens - leftpad + t (causal / window), else all at + 0
+};
+
 }  // namespace flash4

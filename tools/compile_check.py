@@ -27,11 +27,11 @@ import generate_kernels  # noqa: E402
 # sm90 backward: 16 (it has spilled up to 12 bytes of per-head loop state, outside the per-query-block loop).
 # sm80 backward: 64 (up to 20 bytes non-causal, 24 causal at hdim 128: dK and dV hold 128 of the 255
 # registers; docs/design.md, "sm80 kernels").
-SPILL_BUDGET = {("fwd", 90): 0, ("bwd", 90): 16, ("fwd", 80): 0, ("bwd", 80): 64}
+SPILL_BUDGET = {("fwd", 90): 0, ("bwd", 90): 16, ("fwd", 80): 0, ("bwd", 80): 64, ("decode", 80): 0}
 
 
 def compile_one(
-    nvcc: str, kernel: generate_kernels.Kernel, tmp: Path, sass_archs: tuple[int, ...] = ()
+    nvcc: str, kernel, arch: int, tmp: Path, sass_archs: tuple[int, ...] = ()
 ) -> tuple[bool, str]:
     # The generated .cu includes "../launch/...", so it must sit one level under csrc/; a folder per process,
     # so that two checks can run at once.
@@ -41,7 +41,7 @@ def compile_one(
     cmd = [
         nvcc,
         *build_flags.NVCC_FLAGS,
-        *(build_flags.GENCODES[a] for a in sorted({kernel.arch, *sass_archs})),
+        *(build_flags.GENCODES[a] for a in sorted({arch, *sass_archs})),
         *[f"-I{p}" for p in build_flags.include_dirs()],
         "-Xptxas=-v",
         "-c",
@@ -61,7 +61,9 @@ def main() -> int:
     ap.add_argument("--hdim", type=int, default=128, choices=generate_kernels.HDIMS)
     ap.add_argument("--causal", action="store_true", help="same as --mask causal")
     ap.add_argument("--mask", choices=("none", "causal", "local"), default="none")
-    ap.add_argument("--only", help="comma-separated subset of fwd90,bwd90,fwd80,bwd80 (default: all four)")
+    ap.add_argument(
+        "--only", help="comma-separated subset of fwd90,bwd90,fwd80,bwd80,decode,decode_paged (default: all)"
+    )
     ap.add_argument("--keep", type=Path, help="keep the objects in this folder (for tools/sass_stats.py)")
     ap.add_argument(
         "--also-sm90", action="store_true", help="sm80 kernels: add the sm_90a code the build runs on Hopper"
@@ -71,17 +73,23 @@ def main() -> int:
     causal, local = mask == "causal", mask == "local"
 
     nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
-    wanted = set((args.only or "fwd90,bwd90,fwd80,bwd80").split(","))
+    wanted = set((args.only or "fwd90,bwd90,fwd80,bwd80,decode,decode_paged").split(","))
+    # (kernel, arch, spill-budget key); the decode family compiles for sm_80 (and sm_90a with --also-sm90).
     kernels = [
-        generate_kernels.Kernel(name[:3], int(name[3:]), args.dtype, args.hdim, causal, local)
+        (k, k.arch, (k.direction, k.arch))
         for name in ("fwd90", "bwd90", "fwd80", "bwd80")
+        if name in wanted
+        for k in [generate_kernels.Kernel(name[:3], int(name[3:]), args.dtype, args.hdim, causal, local)]
+    ] + [
+        (generate_kernels.DecodeKernel(args.dtype, args.hdim, name == "decode_paged"), 80, ("decode", 80))
+        for name in ("decode", "decode_paged")
         if name in wanted
     ]
     failed = False
     with tempfile.TemporaryDirectory() as tmp:
-        for kernel in kernels:
+        for kernel, arch, budget_key in kernels:
             t0 = time.time()
-            ok, out = compile_one(nvcc, kernel, Path(tmp), (90,) if args.also_sm90 else ())
+            ok, out = compile_one(nvcc, kernel, arch, Path(tmp), (90,) if args.also_sm90 else ())
             if not ok:
                 print(out[-20000:])
                 print(f"[compile_check] {kernel.name} FAILED ({time.time() - t0:.0f} s)")
@@ -96,8 +104,8 @@ def main() -> int:
                 if re.search(r"registers|spill", line):
                     print(f"[compile_check]   {line.strip()}")
                 spill = re.search(r"(\d+) bytes spill stores", line)
-                main_kernel = entry is not None and "kernel_entry_sm" in entry
-                budget = SPILL_BUDGET[kernel.direction, kernel.arch]
+                main_kernel = entry is not None and ("kernel_entry_sm" in entry or "decode_entry" in entry)
+                budget = SPILL_BUDGET[budget_key]
                 if spill and int(spill.group(1)) > budget and main_kernel:
                     print(f"[compile_check] {kernel.name} FAILED: spills {spill.group(1)} bytes")
                     failed = True

@@ -87,4 +87,17 @@ constexpr BwdTileSm80 bwd_tile_sm80(int head_dim) {
   return head_dim <= 128 ? BwdTileSm80{64, 128, 8} : BwdTileSm80{32, 64, 8};
 }
 
+// Decode (decode/kernel_decode.hpp, one kernel for sm80 and sm90): 16 packed query rows, kBlockN keys a tile
+// (kBlockN / 4 per warp, a multiple of 16), kStages cp.async buffers of K + V. Sized so two CTAs fit an SM
+// (K + V + Q <= ~110 KB) up to hdim 128, keeping 4-6 tiles of loads in flight per SM; hdim 256 keeps two
+// stages (128 KB, one CTA, within the A100's 164 KB).
+struct DecodeTile {
+  int block_n;
+  int stages;
+};
+
+constexpr DecodeTile decode_tile(int head_dim) {
+  return head_dim <= 64 ? DecodeTile{128, 3} : head_dim <= 128 ? DecodeTile{64, 3} : DecodeTile{64, 2};
+}
+
 }  // namespace flash4
