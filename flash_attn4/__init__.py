@@ -18,6 +18,7 @@ from flash_attn4 import _build_info, _ops, reference
 from flash_attn4._build_info import is_built
 from flash_attn4._ops import ReferenceFallbackWarning
 from flash_attn4.interface import attn, attn_varlen
+from flash_attn4.kvcache import attn_with_kvcache, merge_attn_states
 
 __version__ = "0.1.0"
 
@@ -61,7 +62,9 @@ __all__ = [
     "__version__",
     "attn",
     "attn_varlen",
+    "attn_with_kvcache",
     "is_built",
+    "merge_attn_states",
     "patch_transformers",
     "reference",
     "unpatch_transformers",

@@ -281,12 +281,30 @@ def _reference_fwd(
     return out.contiguous(), lse.contiguous()
 
 
+def eager_direct(*tensors: Optional[Tensor]) -> bool:
+    """Whether calling an op's implementation directly is indistinguishable from dispatching it (which costs
+    about 10 us of host time per call, as much as a whole decode step's kernels): plain CUDA tensors, no
+    gradient wanted, and nothing tracing or intercepting the call (torch.compile, dispatch or function
+    modes, functorch transforms). The public functions take this shortcut; everything else dispatches."""
+    if (
+        torch.compiler.is_compiling()
+        or torch._C._len_torch_dispatch_stack()
+        or torch._C._is_torch_function_mode_enabled()
+        or torch._C._are_functorch_transforms_active()
+    ):
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is not None and (type(t) is not Tensor or not t.is_cuda or (grad and t.requires_grad)):
+            return False
+    return True
+
+
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-@torch.library.custom_op("flash_attn4::fwd", mutates_args=())
-def fwd(
+def fwd_impl(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -296,10 +314,13 @@ def fwd(
     window_right: int,
     softcap: float,
     deterministic: bool,
+    num_splits: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """Forward. q (b, sq, hq, d), k/v (b, sk, hk, d) -> out (b, sq, hq, d) q.dtype, lse (b, hq, sq) fp32.
 
     `deterministic` does not change the forward (always deterministic); autograd hands it to `bwd`.
+    Short query blocks (decoding) and forced `num_splits` > 1 run the split-KV decode kernel
+    (`_ops_kvcache`); its out and lse feed the same backward.
 
     Inputs are assumed validated (`interface.attn` does that). lse is float32, except float64 for
     float64 inputs (CPU reference only), so that gradcheck can check gradients through lse.
@@ -312,12 +333,24 @@ def fwd(
     b, sq, hq, d = q.shape
     out = q.new_empty(b, sq, hq, d)
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
+
+    if _ops_kvcache.use_decode_for_attn(q, k, num_splits):
+        _ops_kvcache.decode_into(
+            q, _tma_ready(k), _tma_ready(v), out, lse, softmax_scale, plan.causal, plan.window_left,
+            plan.window_right, softcap, num_splits,
+        )  # fmt: skip
+        return out, lse
     fwd_into(q, k, v, out, lse, softmax_scale, plan, softcap=softcap)
     return out, lse
 
 
+fwd = torch.library.custom_op("flash_attn4::fwd", mutates_args=())(fwd_impl)
+
+
 @fwd.register_fake
-def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap, deterministic):
+def _fwd_fake(
+    q, k, v, softmax_scale, causal, window_left, window_right, softcap, deterministic, num_splits=0
+):
     b, sq, hq, d = q.shape
     return q.new_empty(b, sq, hq, d), torch.empty(b, hq, sq, dtype=_lse_dtype(q.dtype), device=q.device)
 
@@ -377,7 +410,7 @@ def _bwd_fake(dout, dlse, q, k, v, out, lse, softmax_scale, causal, window_left,
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, softmax_scale, causal, window_left, window_right, softcap, deterministic = inputs
+    q, k, v, softmax_scale, causal, window_left, window_right, softcap, deterministic = inputs[:9]
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.args = (softmax_scale, causal, window_left, window_right, softcap, deterministic)
@@ -390,11 +423,11 @@ def _backward(ctx, dout: Optional[Tensor], dlse: Optional[Tensor]):
     q, k, v, out, lse = ctx.saved_tensors
     dout = torch.zeros_like(out) if dout is None else dout
     dq, dk, dv = bwd(dout, dlse, q, k, v, out, lse, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 # The packed-batch ops live beside these (registered on import, as these are).
-from flash_attn4 import _ops_varlen  # noqa: E402, F401
+from flash_attn4 import _ops_kvcache, _ops_varlen  # noqa: E402, F401

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flash_attn4 import _ops  # noqa: F401  (registers torch.ops.flash_attn4.*)
+from flash_attn4 import _ops  # (importing it registers torch.ops.flash_attn4.*)
 
 _CUDA_DTYPES = (torch.float16, torch.bfloat16)
 _CPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -137,6 +137,7 @@ def attn(
     softcap: float = 0.0,
     return_lse: bool = False,
     deterministic: bool = False,
+    num_splits: int = 0,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Exact attention, O = softmax(scale * Q K^T + mask) V.
 
@@ -154,6 +155,9 @@ def attn(
         deterministic: make the backward bitwise reproducible (the CUDA kernel then adds the key blocks'
             contributions to dq in a fixed order, which costs some speed, most with causal). The forward
             and the reference backward are always deterministic.
+        num_splits: split-KV for short query blocks (decoding): 0 = choose (the CUDA path then runs the
+            split-KV decode kernel when seqlen_q x (nheads_q / nheads_kv) <= 64), 1 = no split, N = force N
+            slices of the keys (merged through their LSEs). The result does not depend on it beyond rounding.
 
     Returns:
         out: (batch, seqlen_q, nheads_q, headdim), q's dtype; and, with return_lse,
@@ -167,7 +171,10 @@ def attn(
     softmax_scale, left, right, softcap = _validate_options(
         q.shape[-1], causal, softmax_scale, window_size, softcap, return_lse, deterministic
     )
-    out, lse = torch.ops.flash_attn4.fwd(q, k, v, softmax_scale, causal, left, right, softcap, deterministic)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise TypeError(f"num_splits must be an int >= 0 (0 = choose, 1 = no split), got {num_splits!r}")
+    fwd = _ops.fwd_impl if _ops.eager_direct(q, k, v) else torch.ops.flash_attn4.fwd
+    out, lse = fwd(q, k, v, softmax_scale, causal, left, right, softcap, deterministic, num_splits)
     return (out, lse) if return_lse else out
 
 

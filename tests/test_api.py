@@ -296,6 +296,26 @@ class FakeExt:
             g.copy_(r)
         self.calls.append({"bwd": True, "q": q, "deterministic": deterministic, "dlse": dlse, **opts})
 
+    def decode(self, q, k_cache, v_cache, out, lse, k_new, v_new, cache_seqlens, page_table, cache_batch_idx,
+               cache_leftpad, rotary_cos, rotary_sin, rotary_interleaved, softmax_scale, causal, window_left,
+               window_right, softcap, num_splits):  # fmt: skip
+        """`attn`'s short query blocks: k / v are a full contiguous cache, nothing appended or rotated."""
+        assert isinstance(softmax_scale, float) and isinstance(causal, bool) and isinstance(num_splits, int)
+        assert not (causal and (window_left, window_right) != (-1, -1))
+        assert k_new is None and v_new is None and cache_seqlens is None and page_table is None
+        assert cache_batch_idx is None and cache_leftpad is None and rotary_cos is None and rotary_sin is None
+        assert q.shape[-1] in _build_info.HDIMS and out.shape == q.shape and out.is_contiguous()
+        b, sq, hq, d = q.shape
+        assert lse.shape == (b, hq, sq) and lse.dtype == torch.float32 and lse.is_contiguous()
+        opts = {"causal": causal, "window_size": (window_left, window_right), "softcap": softcap}
+        ref_out, ref_lse = attention_ref(q, k_cache, v_cache, softmax_scale=softmax_scale, **opts)
+        out.copy_(ref_out)
+        lse.copy_(ref_lse)
+        self.calls.append(
+            {"decode": True, "q": q, "k": k_cache, "v": v_cache, "scale": softmax_scale, **opts}
+        )
+        return max(num_splits, 1)
+
 
 @pytest.fixture
 def fake_ext(monkeypatch):

@@ -1,0 +1,182 @@
+"""torch.library ops of the decode path:
+
+    flash_attn4::fwd_kvcache(q, k_cache!, v_cache!, k?, v?, cache_seqlens?, page_table?, cache_batch_idx?,
+                             cache_leftpad?, rotary_cos?, rotary_sin?, rotary_interleaved, softmax_scale,
+                             causal, window_left, window_right, softcap, num_splits) -> (out, lse)
+
+appends k / v into the caches in place (the op declares the mutation, so torch.compile and CUDA graphs see
+it) and attends. CUDA calls run the decode kernels (csrc/decode/: append + rotary, split-KV attention,
+combine), reading every length, page id and batch index on the device; others run
+`_reference_kvcache.attention_kvcache_ref`. Forward only (inference), like FlashAttention's.
+
+`decode_into` is also how `attn` runs short query blocks (decoding with HF's DynamicCache calls `attn` with
+one query token): the dense k / v are then a full contiguous cache.
+
+No `from __future__ import annotations` here: custom_op reads the schema from real annotations.
+"""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from flash_attn4 import _build_info
+from flash_attn4._ops import _tma_ready, _warn_once
+from flash_attn4._reference_kvcache import attention_kvcache_ref
+
+# `attn` takes the decode kernel when a KV head's packed query rows (seqlen_q x GQA group) fit this many
+# 16-row tiles: each tile re-reads K / V (from L2), so beyond a few the tiled forward kernels are faster.
+DECODE_MAX_ROWS = 64
+
+
+def decode_available(q: Tensor) -> tuple[bool, str]:
+    """Whether a decode kernel serves q's (device, dtype, head dim): it needs the exact head dim built."""
+    arch, why = _build_info.kernel_available(q.device, q.dtype, q.shape[-1])
+    if arch is None:
+        return False, why
+    if q.shape[-1] not in _build_info.HDIMS:
+        return False, f"no decode kernel for head dim {q.shape[-1]} (built: {_build_info.HDIMS})"
+    return True, ""
+
+
+def use_decode_for_attn(q: Tensor, k: Tensor, num_splits: int) -> bool:
+    """`attn`'s choice: the decode kernel for short query blocks, or whenever a split count is forced."""
+    rows = q.shape[1] * (q.shape[2] // k.shape[2])
+    return (rows <= DECODE_MAX_ROWS or num_splits > 1) and decode_available(q)[0]
+
+
+def decode_into(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    num_splits: int,
+    *,
+    k: Optional[Tensor] = None,
+    v: Optional[Tensor] = None,
+    cache_seqlens: Optional[Tensor] = None,
+    page_table: Optional[Tensor] = None,
+    cache_batch_idx: Optional[Tensor] = None,
+    cache_leftpad: Optional[Tensor] = None,
+    rotary_cos: Optional[Tensor] = None,
+    rotary_sin: Optional[Tensor] = None,
+    rotary_interleaved: bool = False,
+) -> int:
+    """Runs the decode kernels into out / lse; returns the split count used. The caches are used in place
+    (they must already have 16-byte rows: the binding checks; `attn`'s k / v are copied when they do not)."""
+    ext, why = _build_info.load_extension()
+    if ext is None:
+        raise RuntimeError(why)
+    return ext.decode(
+        _tma_ready(q),
+        k_cache,
+        v_cache,
+        out,
+        lse,
+        k,
+        v,
+        cache_seqlens,
+        page_table,
+        cache_batch_idx,
+        cache_leftpad,
+        None if rotary_cos is None else rotary_cos.contiguous(),
+        None if rotary_sin is None else rotary_sin.contiguous(),
+        bool(rotary_interleaved),
+        float(softmax_scale),
+        bool(causal),
+        int(window_left),
+        int(window_right),
+        float(softcap),
+        int(num_splits),
+    )
+
+
+def fwd_kvcache_impl(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k: Optional[Tensor],
+    v: Optional[Tensor],
+    cache_seqlens: Optional[Tensor],
+    page_table: Optional[Tensor],
+    cache_batch_idx: Optional[Tensor],
+    cache_leftpad: Optional[Tensor],
+    rotary_cos: Optional[Tensor],
+    rotary_sin: Optional[Tensor],
+    rotary_interleaved: bool,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    num_splits: int,
+) -> tuple[Tensor, Tensor]:
+    """Inputs are validated by `kvcache.attn_with_kvcache`."""
+    b, sq, hq, d = q.shape
+    ok, why = decode_available(q)
+    capacity = page_table.shape[1] * k_cache.shape[1] if page_table is not None else k_cache.shape[1]
+    if ok and q.numel() > 0 and capacity > 0:
+        out = q.new_empty(b, sq, hq, d)
+        lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
+        decode_into(
+            q,
+            k_cache,
+            v_cache,
+            out,
+            lse,
+            softmax_scale,
+            causal,
+            window_left,
+            window_right,
+            softcap,
+            num_splits,
+            k=k,
+            v=v,
+            cache_seqlens=cache_seqlens,
+            page_table=page_table,
+            cache_batch_idx=cache_batch_idx,
+            cache_leftpad=cache_leftpad,
+            rotary_cos=rotary_cos,
+            rotary_sin=rotary_sin,
+            rotary_interleaved=rotary_interleaved,
+        )
+        return out, lse
+    if why and q.is_cuda:
+        _warn_once(why)
+    out, lse = attention_kvcache_ref(
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        cache_seqlens=cache_seqlens,
+        page_table=page_table,
+        cache_batch_idx=cache_batch_idx,
+        cache_leftpad=cache_leftpad,
+        rotary_cos=rotary_cos,
+        rotary_sin=rotary_sin,
+        rotary_interleaved=rotary_interleaved,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        window_size=(window_left, window_right),
+        softcap=softcap,
+    )
+    return out.contiguous(), lse.float().contiguous() if lse.dtype != torch.float64 else lse.contiguous()
+
+
+fwd_kvcache = torch.library.custom_op("flash_attn4::fwd_kvcache", mutates_args=("k_cache", "v_cache"))(
+    fwd_kvcache_impl
+)
+
+
+@fwd_kvcache.register_fake
+def _fwd_kvcache_fake(q, k_cache, v_cache, *args):
+    b, sq, hq, d = q.shape
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty(b, sq, hq, d), torch.empty(b, hq, sq, dtype=lse_dtype, device=q.device)

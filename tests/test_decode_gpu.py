@@ -1,0 +1,211 @@
+"""The decode kernels (split-KV, contiguous and paged caches, append + rotary) against the reference.
+
+Tolerance as in test_fwd_gpu.py: max|ours - truth| <= 2 * max|torch_lp - truth| + floor, with truth the
+fp32 reference (`_reference_kvcache`) and torch_lp the same attention in the input dtype. Outputs come from
+fresh allocations the kernels must fully write (a NaN-poisoned cache past the valid rows checks that no
+unattended row leaks in).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flash_attn4
+from flash_attn4 import _build_info, _ops_kvcache
+from flash_attn4._reference_kvcache import attention_kvcache_ref
+
+DEVICE = torch.device("cuda")
+
+
+def _skip_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if not _build_info.HDIMS:
+        return "kernels not built"
+    q = torch.empty(1, 1, 1, _build_info.HDIMS[0], dtype=torch.bfloat16, device=DEVICE)
+    ok, why = _ops_kvcache.decode_available(q)
+    return None if ok else why
+
+
+pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
+HDIM = 128 if 128 in _build_info.HDIMS or not _build_info.HDIMS else _build_info.HDIMS[0]
+
+
+def _check(out, lse, ref_out, ref_lse, lp_out):
+    out, ref_out, lp_out = out.float(), ref_out.float(), lp_out.float()
+    assert not torch.isnan(out).any()
+    floor = (ref_out.bfloat16().float() - ref_out).abs().max().item() + 1e-5
+    tol = 2 * (lp_out - ref_out).abs().max().item() + floor
+    err = (out - ref_out).abs().max().item()
+    assert err <= tol, f"out error {err} > {tol}"
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(fin, torch.isfinite(lse))
+    assert (lse[fin] - ref_lse[fin].float()).abs().max().item() <= 1e-3 * max(
+        1.0, ref_lse[fin].abs().max().item()
+    )
+
+
+def _make_cache(b, cap, hk, d, paged_size, dtype=torch.bfloat16):
+    """Cache tensors (poisoned with NaN past what the test fills) and a page table (shuffled pages)."""
+    if paged_size:
+        max_pages = (cap + paged_size - 1) // paged_size
+        num_pages = b * max_pages + 3
+        kc = torch.randn(num_pages, paged_size, hk, d, device=DEVICE, dtype=dtype)
+        vc = torch.randn_like(kc)
+        pt = torch.randperm(num_pages, device=DEVICE)[: b * max_pages].view(b, max_pages).to(torch.int32)
+        return kc, vc, pt
+    kc = torch.randn(b, cap, hk, d, device=DEVICE, dtype=dtype)
+    return kc, torch.randn_like(kc), None
+
+
+CASES = [
+    # b, sq, hq, hk, cap, page, causal, window, softcap, splits
+    (1, 1, 32, 8, 4099, 0, True, (-1, -1), 0.0, 0),
+    (4, 1, 8, 8, 1000, 0, True, (-1, -1), 0.0, 0),
+    (3, 4, 16, 2, 777, 0, True, (-1, -1), 0.0, 3),
+    (2, 1, 8, 1, 513, 0, False, (-1, -1), 30.0, 0),
+    (2, 5, 8, 4, 300, 0, True, (64, 0), 0.0, 2),
+    (2, 1, 32, 8, 2048, 16, True, (-1, -1), 0.0, 0),
+    (3, 2, 8, 2, 999, 1, True, (-1, -1), 0.0, 4),
+    (2, 1, 8, 8, 1024, 64, True, (-1, -1), 0.0, 0),
+    (2, 128, 8, 2, 700, 256, True, (-1, -1), 0.0, 0),
+    (64, 1, 8, 8, 65, 0, True, (-1, -1), 0.0, 0),
+    # One CTA over thousands of pages: the shared-memory page-id ring refills many times.
+    (2, 1, 8, 2, 5000, 1, True, (-1, -1), 0.0, 1),
+    (1, 1, 8, 8, 20000, 3, True, (-1, -1), 0.0, 1),
+]
+
+
+@pytest.mark.parametrize("b,sq,hq,hk,cap,page,causal,window,softcap,splits", CASES)
+@pytest.mark.parametrize("append", [False, True])
+@pytest.mark.parametrize("rotary", [None, "halves", "interleaved"])
+def test_kvcache_matches_reference(b, sq, hq, hk, cap, page, causal, window, softcap, splits, append, rotary):
+    if rotary and not append:
+        pytest.skip("rotary applies with appended k / v")
+    d = HDIM
+    kc, vc, pt = _make_cache(b, cap, hk, d, page)
+    q = torch.randn(b, sq, hq, d, device=DEVICE, dtype=torch.bfloat16)
+    sn = sq if append else 0
+    k = torch.randn(b, sn, hk, d, device=DEVICE, dtype=torch.bfloat16) if append else None
+    v = torch.randn_like(k) if append else None
+    seqlens = torch.randint(0, cap - sn + 1, (b,), device=DEVICE, dtype=torch.int32)
+    seqlens[0] = cap - sn  # one full sequence
+    cos = sin = None
+    if rotary:
+        ang = torch.rand(cap + 8, d // 4, device=DEVICE) * 6.28
+        cos, sin = ang.cos().bfloat16(), ang.sin().bfloat16()
+    kw = dict(
+        cache_seqlens=seqlens,
+        page_table=pt,
+        rotary_cos=cos,
+        rotary_sin=sin,
+        rotary_interleaved=rotary == "interleaved",
+        causal=causal,
+        window_size=window,
+        softcap=softcap,
+    )
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    kc0, vc0 = kc.clone(), vc.clone()
+    out, lse = flash_attn4.attn_with_kvcache(q, kc, vc, k, v, num_splits=splits, return_lse=True, **kw)
+    kw.pop("window_size")
+    ref_out, ref_lse = attention_kvcache_ref(q, kc_ref, vc_ref, k, v, window_size=window, **kw)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref), "appended cache differs from the reference"
+    lp_out, _ = _lp(q, kc0, vc0, k, v, kw, window)  # torch's own bf16 error, which the rule scales
+    _check(out, lse, ref_out, ref_lse, lp_out)
+
+
+def _lp(q, kc, vc, k, v, kw, window):
+    """The same call with the attention in bf16 (reference.attention_ref with upcast=False)."""
+    from flash_attn4 import reference
+
+    orig = reference.attention_ref
+    reference.attention_ref = lambda *a, **kk: orig(*a, **{**kk, "upcast": False})
+    try:
+        return attention_kvcache_ref(q, kc.clone(), vc.clone(), k, v, window_size=window, **kw)
+    finally:
+        reference.attention_ref = orig
+
+
+@pytest.mark.parametrize("sq,hq,hk,sk", [(1, 32, 8, 4096), (3, 8, 8, 1000), (16, 16, 4, 257)])
+@pytest.mark.parametrize("splits", [0, 1, 5])
+def test_attn_short_queries_run_decode(sq, hq, hk, sk, splits):
+    q = torch.randn(2, sq, hq, HDIM, device=DEVICE, dtype=torch.bfloat16)
+    k = torch.randn(2, sk, hk, HDIM, device=DEVICE, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    out, lse = flash_attn4.attn(q, k, v, causal=True, num_splits=splits, return_lse=True)
+    from flash_attn4.reference import attention_ref
+
+    ref, ref_lse = attention_ref(q, k, v, causal=True)
+    lp, _ = attention_ref(q, k, v, causal=True, upcast=False)
+    _check(out, lse, ref, ref_lse, lp)
+
+
+def test_eager_shortcut_equals_the_dispatched_op():
+    """The public functions skip the dispatcher when nothing needs it; the op gives the same bits."""
+    from flash_attn4 import _ops
+
+    q = torch.randn(2, 1, 8, HDIM, device=DEVICE, dtype=torch.bfloat16)
+    k = torch.randn(2, 300, 2, HDIM, device=DEVICE, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    assert _ops.eager_direct(q, k, v)
+    assert not _ops.eager_direct(q.requires_grad_(), k, v)
+    q = q.detach()
+    with torch.no_grad():
+        assert _ops.eager_direct(q.requires_grad_(), k, v)
+    q = q.detach()
+    lens = torch.tensor([300, 17], device=DEVICE, dtype=torch.int32)
+    direct = flash_attn4.attn_with_kvcache(q, k, v, cache_seqlens=lens)
+    op, _ = torch.ops.flash_attn4.fwd_kvcache(
+        q, k, v, None, None, lens, None, None, None, None, None, False, HDIM**-0.5, True, -1, 0, 0.0, 0
+    )
+    assert torch.equal(direct, op)
+    out_direct = flash_attn4.attn(q, k, v, causal=True)
+    out_op, _ = torch.ops.flash_attn4.fwd(q, k, v, HDIM**-0.5, True, -1, 0, 0.0, False, 0)
+    assert torch.equal(out_direct, out_op)
+
+
+def test_lying_values_do_not_fault():
+    b, hk, d = 3, 2, HDIM
+    kc, vc, pt = _make_cache(b, 256, hk, d, 16)
+    q = torch.randn(b, 1, 4, d, device=DEVICE, dtype=torch.bfloat16)
+    k = torch.randn(b, 1, hk, d, device=DEVICE, dtype=torch.bfloat16)
+    pt[0, 3] = -5
+    pt[1, 0] = 10**6
+    seqlens = torch.tensor([100, 10**9, -7], device=DEVICE, dtype=torch.int32)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    out, lse = flash_attn4.attn_with_kvcache(
+        q, kc, vc, k, k, cache_seqlens=seqlens, page_table=pt, return_lse=True
+    )
+    ref_out, ref_lse = attention_kvcache_ref(q, kc_ref, vc_ref, k, k, cache_seqlens=seqlens, page_table=pt)
+    torch.cuda.synchronize()
+    assert torch.equal(kc, kc_ref)
+    assert (out.float() - ref_out.float()).abs().max().item() < 2e-2
+
+
+def test_cuda_graph_replay_with_new_lengths():
+    b, cap, hk, d = 4, 1024, 2, HDIM
+    kc, vc, _ = _make_cache(b, cap, hk, d, 0)
+    q = torch.randn(b, 1, 8, d, device=DEVICE, dtype=torch.bfloat16)
+    seqlens = torch.full((b,), 10, device=DEVICE, dtype=torch.int32)
+    flash_attn4.attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = flash_attn4.attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens)
+    for lens in ([5, 900, 1, 1024], [1000, 3, 77, 512]):
+        seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
+        g.replay()
+        ref, _ = attention_kvcache_ref(q, kc, vc, cache_seqlens=seqlens)
+        assert (out.float() - ref.float()).abs().max().item() < 2e-2
+
+
+def test_merge_attn_states_matches_whole():
+    q = torch.randn(2, 3, 4, HDIM, device=DEVICE, dtype=torch.bfloat16)
+    k = torch.randn(2, 300, 4, HDIM, device=DEVICE, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    oa, la = flash_attn4.attn(q, k[:, :100], v[:, :100], return_lse=True)
+    ob, lb = flash_attn4.attn(q, k[:, 100:], v[:, 100:], return_lse=True)
+    o, l_ = flash_attn4.merge_attn_states(oa, la, ob, lb)
+    ref, ref_l = flash_attn4.attn(q, k, v, return_lse=True)
+    assert (o.float() - ref.float()).abs().max().item() < 2e-2
+    assert (l_ - ref_l).abs().max().item() < 1e-3
