@@ -23,7 +23,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from flash_attn4._ops_kvcache import DECODE_MAX_ROWS
 from flash_attn4.interface import attn, attn_varlen
+from flash_attn4.kvcache import attn_with_kvcache
 
 NAME = "fa4"
 
@@ -110,6 +112,18 @@ def _attn_padded(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, causal: bool, **
     )
     # Pad rows get 0: finite, so nothing downstream turns into NaN through 0 * NaN.
     return q.new_zeros(b * sq, h, d).index_copy(0, idx_q, out).reshape(b, sq, h, d)
+
+
+def _decode_padded(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, causal: bool, **kw) -> Tensor:
+    """Decoding (or a short chunk) with a padding mask: keep (B, L), L <= Skv (a StaticCache is longer than
+    what is filled). Sequence b's keys are slots [L - keep[b].sum(), L): generation pads on the left, as
+    transformers requires of decoder-only models; the queries are the last Sq of those slots. One
+    attn_with_kvcache call, with no host synchronisation (so it also runs inside a compiled graph)."""
+    b, length = keep.shape
+    kw.pop("deterministic", None)  # forward only: the decode kernel is deterministic
+    lens = torch.full((b,), length, dtype=torch.int32, device=q.device)
+    leftpad = lens - keep.sum(1, dtype=torch.int32)
+    return attn_with_kvcache(q, k, v, cache_seqlens=lens, cache_leftpad=leftpad, causal=causal, **kw)
 
 
 def _target_dtype(query: Tensor, module: torch.nn.Module) -> torch.dtype:
@@ -213,7 +227,9 @@ def attention_forward(
         kw["window_size"] = (sliding_window - 1, 0 if causal else sliding_window - 1)
 
     keep = _padding_mask(attention_mask, k.shape[1])
-    if keep is not None:
+    if keep is not None and sq < keep.shape[1] and sq * (hq // k.shape[2]) <= DECODE_MAX_ROWS:
+        out = _decode_padded(q, k, v, keep, causal, **kw)
+    elif keep is not None:
         out = _attn_padded(q, k, v, keep, causal, **kw)
     elif all(kwargs.get(n) is not None for n in ("cu_seq_lens_q", "cu_seq_lens_k")):
         cu_q, cu_k = kwargs["cu_seq_lens_q"].to(torch.int32), kwargs["cu_seq_lens_k"].to(torch.int32)
