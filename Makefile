@@ -6,7 +6,7 @@
 PYTHON ?= python3
 BENCH_ARGS ?=
 
-.PHONY: install build test bench bench-varlen bench-quick gpu-check gpu-sm80 compile-check lint format clean
+.PHONY: install build test bench bench-decode bench-varlen bench-quick gpu-check gpu-sm80 compile-check lint format clean
 
 install:  ## build against the torch you run (no build isolation: ABI) and install
 	$(PYTHON) -m pip install --no-build-isolation -v .
@@ -21,6 +21,9 @@ bench:  ## the FlashAttention papers' grid, forward and backward -> benchmarks/r
 	$(PYTHON) benchmarks/bench_fwd.py $(BENCH_ARGS)
 	$(PYTHON) benchmarks/bench_fwd.py --bwd $(BENCH_ARGS)
 	$(PYTHON) benchmarks/bench_varlen.py
+
+bench-decode:  ## decode from contiguous and paged KV caches, host time per call -> <gpu>_decode.json + .png
+	$(PYTHON) benchmarks/bench_decode.py $(BENCH_ARGS)
 
 bench-varlen:  ## window 4096 at 32k vs causal, varlen 64..8192 vs equal length -> benchmarks/results/<gpu>_varlen.json
 	$(PYTHON) benchmarks/bench_varlen.py

@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+"""Generation benchmark: a config-built HuggingFace Llama decoding on flash_attn4 ("fa4") and on transformers'
+sdpa, with a DynamicCache and a StaticCache (eager; --compile adds the compiled StaticCache).
+
+    python3 benchmarks/bench_hf_generate.py                   # b1 x 16k and b8 x 4k prompts, 64 new tokens
+
+Random weights (no downloads), bf16, greedy decoding of exactly --new-tokens tokens after a random prompt.
+Both models share one set of weights; they take turns for --rounds rounds (the order alternates), and the
+median wall time of `generate` (prefill + decode) is reported with the ratio sdpa / fa4 (> 1: fa4 faster).
+Writes benchmarks/results/<gpu>_hf_generate.json unless --no-save.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import flash_attn4  # noqa: E402
+
+
+def build(args):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, vocab_size=32000,
+        max_position_embeddings=32768,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    ref = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    ours = copy.deepcopy(ref)
+    ref.set_attn_implementation("sdpa")
+    flash_attn4.patch_transformers(ours)
+    return {"sdpa": ref, "fa4": ours}
+
+
+def generate_s(model, ids, args, cache, compiled) -> tuple[float, torch.Tensor]:
+    kw = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
+    if cache == "static":
+        kw["cache_implementation"] = "static"
+        kw["disable_compile"] = not compiled
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default="1x16384,8x4096", help="batch x prompt length, comma-separated")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--compile", action="store_true", help="also time the compiled StaticCache")
+    ap.add_argument("--no-save", action="store_true")
+    args = ap.parse_args()
+    models = build(args)
+    variants = [("dynamic", False), ("static", False)] + ([("static", True)] if args.compile else [])
+    records = []
+    for case in args.cases.split(","):
+        b, s = (int(x) for x in case.split("x"))
+        ids = torch.randint(0, 32000, (b, s), device="cuda")
+        for cache, compiled in variants:
+            name = cache + (" compiled" if compiled else "")
+            times = {impl: [] for impl in models}
+            outs = {}
+            for r in range(args.rounds + 1):  # round 0 warms up (and compiles)
+                for impl in list(models)[:: 1 if r % 2 else -1]:
+                    t, outs[impl] = generate_s(models[impl], ids, args, cache, compiled)
+                    if r:
+                        times[impl].append(t)
+            same = (outs["fa4"][:, s:] == outs["sdpa"][:, s:]).float().mean().item()
+            med = {impl: statistics.median(ts) for impl, ts in times.items()}
+            ratio = med["sdpa"] / med["fa4"]
+            print(f"b{b} prompt {s} {name:16s}: sdpa {med['sdpa']:.3f} s  fa4 {med['fa4']:.3f} s  "
+                  f"sdpa/fa4 {ratio:.3f}  (same tokens: {same:.0%})", flush=True)  # fmt: skip
+            for impl, ts in times.items():
+                records.append(dict(impl="flash_attn4" if impl == "fa4" else "hf_sdpa", batch=b, seqlen=s,
+                                    cache=name, new_tokens=args.new_tokens, layers=args.layers,
+                                    hidden=args.hidden, nheads=args.heads, nheads_kv=args.kv_heads,
+                                    hdim=args.hidden // args.heads, dtype="bf16", causal=True, s=med[impl],
+                                    s_rounds=ts, same_tokens=same))  # fmt: skip
+    if not args.no_save:
+        gpu = torch.cuda.get_device_name().split()[-1].lower()
+        import transformers
+
+        meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
+                    transformers=transformers.__version__)  # fmt: skip
+        for r in records:
+            r.update(meta)
+        path = ROOT / "benchmarks" / "results" / f"{gpu}_hf_generate.json"
+        path.write_text(json.dumps(records, indent=1))
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
