@@ -17,10 +17,11 @@ build:  ## compile flash_attn4/_C in place, for working from the source tree
 test:  ## the README's test command; GPU tests skip (with the reason) without a GPU and built kernels
 	$(PYTHON) -m pytest -q tests
 
-bench:  ## the FlashAttention papers' grid, forward and backward -> benchmarks/results/<gpu>_{fwd,bwd}.json + .png; then windows/varlen
+bench:  ## the FlashAttention papers' grid, forward and backward -> benchmarks/results/<gpu>_{fwd,bwd}.json + .png; then windows/varlen, decode
 	$(PYTHON) benchmarks/bench_fwd.py $(BENCH_ARGS)
 	$(PYTHON) benchmarks/bench_fwd.py --bwd $(BENCH_ARGS)
 	$(PYTHON) benchmarks/bench_varlen.py
+	$(PYTHON) benchmarks/bench_decode.py
 
 bench-decode:  ## decode from contiguous and paged KV caches, host time per call -> <gpu>_decode.json + .png
 	$(PYTHON) benchmarks/bench_decode.py $(BENCH_ARGS)

@@ -148,12 +148,13 @@ def merge_attn_states_ref(
 ) -> tuple[Tensor, Tensor]:
     """The lse-weighted merge of two attentions over disjoint key sets: out (batch, seqlen, heads, d),
     lse (batch, heads, seqlen). Rows where both lse are -inf give out = 0, lse = -inf. Differentiable."""
-    la, lb = lse_a.float(), lse_b.float()
+    acc = torch.float64 if out_a.dtype == torch.float64 else torch.float32  # fp64 stays fp64 (gradcheck)
+    la, lb = lse_a.to(acc), lse_b.to(acc)
     lse = torch.logaddexp(la, lb)
     finite = torch.isfinite(lse)
     safe = torch.where(finite, lse, torch.zeros_like(lse))
     wa = torch.where(finite, torch.exp(la - safe), torch.zeros_like(la)).transpose(1, 2).unsqueeze(-1)
     wb = torch.where(finite, torch.exp(lb - safe), torch.zeros_like(lb)).transpose(1, 2).unsqueeze(-1)
-    out = wa * out_a.float() + wb * out_b.float()
+    out = wa * out_a.to(acc) + wb * out_b.to(acc)
     lse = torch.where(finite, lse, torch.full_like(lse, -math.inf))
     return out.to(out_a.dtype), lse.to(lse_a.dtype)

@@ -4,6 +4,8 @@ The CUDA kernels are compared with the same reference in test_decode_gpu.py."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -82,6 +84,13 @@ def test_merge_attn_states_equals_attention_over_the_union():
     ref, ref_lse = attention_ref(q, k, v)
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(lse, ref_lse)
+
+
+def test_merge_attn_states_gradients():
+    a, b = torch.randn(2, 1, 3, 2, 4, dtype=torch.float64, requires_grad=True)
+    la, lb = torch.randn(2, 1, 2, 3, dtype=torch.float64, requires_grad=True)
+    la = la.detach().index_fill(2, torch.tensor([0]), -math.inf).requires_grad_()  # one side sees no key
+    assert torch.autograd.gradcheck(flash_attn4.merge_attn_states, (a, la, b, lb))
 
 
 @pytest.mark.parametrize(
