@@ -17,6 +17,7 @@ import torch as _torch
 from flash_attn4 import _build_info, _ops, reference
 from flash_attn4._build_info import is_built
 from flash_attn4._ops import ReferenceFallbackWarning
+from flash_attn4.checks import enable_checks
 from flash_attn4.interface import attn, attn_varlen
 from flash_attn4.kvcache import attn_with_kvcache, merge_attn_states
 
@@ -63,6 +64,7 @@ __all__ = [
     "attn",
     "attn_varlen",
     "attn_with_kvcache",
+    "enable_checks",
     "is_built",
     "merge_attn_states",
     "patch_transformers",

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flash_attn4 import _ops  # (importing it registers torch.ops.flash_attn4.*)
+from flash_attn4 import _ops, checks  # (importing _ops registers torch.ops.flash_attn4.*)
 
 _CUDA_DTYPES = (torch.float16, torch.bfloat16)
 _CPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -281,6 +281,9 @@ def attn_varlen(
     runs. Gradients flow to q, k, v (and through lse).
     """
     _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
+    if checks.checks_enabled():
+        checks.check_varlen(q.shape[0], k.shape[0], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            seqused_q, seqused_k)  # fmt: skip
     softmax_scale, left, right, softcap = _validate_options(
         q.shape[-1], causal, softmax_scale, window_size, softcap, return_lse, deterministic
     )

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flash_attn4 import _ops, _ops_kvcache  # (importing them registers torch.ops.flash_attn4.*)
+from flash_attn4 import _ops, _ops_kvcache, checks  # (importing the _ops modules registers the ops)
 from flash_attn4._reference_kvcache import merge_attn_states_ref
 from flash_attn4.interface import _validate_device_rules, _validate_options
 
@@ -145,6 +145,9 @@ def attn_with_kvcache(
         raise TypeError(f"num_splits must be an int >= 0 (0 = choose, 1 = no split), got {num_splits!r}")
     if not isinstance(rotary_interleaved, bool):
         raise TypeError("rotary_interleaved must be a bool")
+    if checks.checks_enabled():
+        checks.check_kvcache(k_cache, 0 if k is None else k.shape[1], cache_seqlens, page_table,
+                             cache_batch_idx, cache_leftpad)  # fmt: skip
     direct = _ops.eager_direct(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx,
                                cache_leftpad, rotary_cos, rotary_sin)  # fmt: skip
     op = _ops_kvcache.fwd_kvcache_impl if direct else torch.ops.flash_attn4.fwd_kvcache

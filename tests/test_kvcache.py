@@ -115,3 +115,50 @@ def test_op_passes_opcheck():
     lens = torch.tensor([3, 9], dtype=torch.int32)
     args = (q, kc, vc, k, k.clone(), lens, None, None, None, None, None, False, 0.25, True, -1, 0, 0.0, 0)
     torch.library.opcheck(torch.ops.flash_attn4.fwd_kvcache.default, args)
+
+
+@pytest.fixture
+def checks_on():
+    flash_attn4.enable_checks()
+    yield
+    flash_attn4.enable_checks(False)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(cache_seqlens=torch.tensor([40, 41], dtype=torch.int32)), r"cache_seqlens\[1\] = 41"),
+        (dict(cache_seqlens=torch.tensor([-1, 0], dtype=torch.int32)), r"cache_seqlens\[0\] = -1"),
+        (
+            dict(cache_seqlens=0, cache_batch_idx=torch.tensor([0, 5], dtype=torch.int32)),
+            r"cache_batch_idx\[1\]",
+        ),
+        (dict(cache_seqlens=4, cache_leftpad=torch.tensor([0, 9], dtype=torch.int32)), r"cache_leftpad\[1\]"),
+    ],
+)
+def test_opt_in_checks_name_the_lying_value(checks_on, kw, match):
+    kc, vc = _cache(b=2)
+    with pytest.raises(ValueError, match=match):
+        flash_attn4.attn_with_kvcache(torch.randn(2, 1, 4, 16), kc, vc, **kw)
+
+
+def test_opt_in_checks_paged_and_varlen(checks_on):
+    kp, vp = torch.randn(4, 8, 2, 16), torch.randn(4, 8, 2, 16)
+    pt = torch.tensor([[0, 1], [2, 7]], dtype=torch.int32)
+    q = torch.randn(2, 1, 4, 16)
+    flash_attn4.attn_with_kvcache(
+        q, kp, vp, cache_seqlens=torch.tensor([16, 8], dtype=torch.int32), page_table=pt
+    )
+    with pytest.raises(ValueError, match=r"page_table\[1, 1\] = 7"):
+        flash_attn4.attn_with_kvcache(
+            q, kp, vp, cache_seqlens=torch.tensor([16, 9], dtype=torch.int32), page_table=pt
+        )
+    qv, kv = torch.randn(10, 2, 16), torch.randn(10, 2, 16)
+    for cu, match in (([0, 6, 4], "decreases"), ([-2, 3, 10], "must be >= 0"), ([0, 3, 11], "past the 10")):
+        c = torch.tensor(cu, dtype=torch.int32)
+        with pytest.raises(ValueError, match=match):
+            flash_attn4.attn_varlen(qv, kv, kv, c, c, 10, 10)
+    ok = torch.tensor([0, 3, 10], dtype=torch.int32)
+    with pytest.raises(ValueError, match="more than max_seqlen_q"):
+        flash_attn4.attn_varlen(qv, kv, kv, ok, ok, 5, 10)
+    flash_attn4.attn_varlen(qv, kv, kv, ok, ok, 7, 7)
