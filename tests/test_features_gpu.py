@@ -349,3 +349,24 @@ def test_varlen_accepts_a_generous_max_seqlen():
     out = attn_varlen(q, k, v, cu, cu, 4096, 4096, causal=True)
     want = attention_varlen_ref(q.float(), k.float(), v.float(), cu, cu, causal=True)[0]
     torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=0)
+
+
+def test_varlen_offsets_that_lie_do_not_fault():
+    """Negative, decreasing and past-the-end cu_seqlens are clamped into the packed tensors (block_info.hpp):
+    forward and backward finish, stay finite, and the context survives for the next, honest call."""
+    hdim = HDIMS[0]
+    q = torch.randn(300, 4, hdim, dtype=DTYPES[0], device=DEVICE, requires_grad=True)
+    k, v = (torch.randn(200, 2, hdim, dtype=DTYPES[0], device=DEVICE, requires_grad=True) for _ in range(2))
+    for cu_q, cu_k in (([-50, 10, 7, 4000], [0, 100, 90, 9000]), ([0, 300, 300, 300], [-7, -3, 250, 199])):
+        cq, ck = (torch.tensor(c, dtype=torch.int32, device=DEVICE) for c in (cu_q, cu_k))
+        out = attn_varlen(q, k, v, cq, ck, 300, 200, causal=True)
+        out.float().sum().backward()
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all() and all(torch.isfinite(t.grad).all() for t in (q, k, v))
+    lens = [100, 200]
+    cu = _cu(lens)
+    out = attn_varlen(q.detach()[:300], k.detach()[:300], v.detach()[:300], cu, _cu([80, 120]), 200, 120)
+    truth = attention_varlen_ref(
+        q.detach().float(), k.detach().float(), v.detach().float(), cu, _cu([80, 120])
+    )[0]
+    assert (out.float() - truth).abs().max().item() < 5e-2

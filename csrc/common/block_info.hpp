@@ -19,6 +19,9 @@ CUTE_HOST_DEVICE constexpr int ceil_div_signed(int a, int b) { return -floor_div
 // One sequence of the batch. Fixed-length batches: offsets 0, lengths from the shapes, batch = bidb.
 // Packed (varlen) batches: sequence bidb owns rows [cu[bidb], cu[bidb + 1]) of the packed tensors, its
 // length may be cut to seqused[bidb], and the global tensors have a batch extent of 1 (batch = 0).
+// Offsets read on the device are clamped into the packed tensors (total rows): a negative offset reads
+// as 0, one past the end as the end, a decreasing pair as an empty sequence, and seqused to [0, length],
+// so offsets that lie compute some in-bounds attention and never address outside the tensors.
 struct SeqInfo {
   int offset_q, offset_k;
   int seqlen_q, seqlen_k;
@@ -26,17 +29,19 @@ struct SeqInfo {
 };
 
 CUTE_DEVICE SeqInfo make_seq_info(const int* cu_seqlens_q, const int* cu_seqlens_k, const int* seqused_q,
-                                  const int* seqused_k, int bidb, int seqlen_q, int seqlen_k) {
+                                  const int* seqused_k, int bidb, int seqlen_q, int seqlen_k, int total_q,
+                                  int total_k) {
   SeqInfo s{0, 0, seqlen_q, seqlen_k, bidb};
   if (cu_seqlens_q != nullptr) {
-    s.offset_q = cu_seqlens_q[bidb];
-    s.seqlen_q = cu_seqlens_q[bidb + 1] - s.offset_q;
-    s.offset_k = cu_seqlens_k[bidb];
-    s.seqlen_k = cu_seqlens_k[bidb + 1] - s.offset_k;
+    auto clamp = [](int x, int lo, int hi) { return cute::min(cute::max(x, lo), hi); };
+    s.offset_q = clamp(cu_seqlens_q[bidb], 0, total_q);
+    s.seqlen_q = clamp(cu_seqlens_q[bidb + 1], s.offset_q, total_q) - s.offset_q;
+    s.offset_k = clamp(cu_seqlens_k[bidb], 0, total_k);
+    s.seqlen_k = clamp(cu_seqlens_k[bidb + 1], s.offset_k, total_k) - s.offset_k;
     s.batch = 0;
   }
-  if (seqused_q != nullptr) s.seqlen_q = seqused_q[bidb];
-  if (seqused_k != nullptr) s.seqlen_k = seqused_k[bidb];
+  if (seqused_q != nullptr) s.seqlen_q = cute::min(cute::max(seqused_q[bidb], 0), s.seqlen_q);
+  if (seqused_k != nullptr) s.seqlen_k = cute::min(cute::max(seqused_k[bidb], 0), s.seqlen_k);
   return s;
 }
 

@@ -29,8 +29,8 @@ struct PrePostRow {
 
 __device__ __forceinline__ PrePostRow prepost_row(const BwdParams& p, int bidh, int bidb) {
   const SeqInfo seq = make_seq_info(p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k, bidb, p.seqlen_q,
-                                    p.seqlen_k);
-  const int64_t offset = p.cu_seqlens_q ? padded_row_offset(p.cu_seqlens_q[bidb], bidb) : 0;
+                                    p.seqlen_k, p.total_q, p.total_k);
+  const int64_t offset = p.cu_seqlens_q ? padded_row_offset(seq.offset_q, bidb) : 0;
   return {seq, seq.batch * p.accum_batch_stride + bidh * p.accum_head_stride + offset};
 }
 

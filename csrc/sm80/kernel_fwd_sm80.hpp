@@ -74,7 +74,7 @@ struct FwdKernelSm80 {
     const int tid = threadIdx.x;
     // Packed batches: the grid covers the longest sequence; tiles past this one's end have nothing to do.
     const SeqInfo seq = make_seq_info(p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k, bidb, p.seqlen_q,
-                                      p.seqlen_k);
+                                      p.seqlen_k, p.total_q, p.total_k);
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
     if (m_block * kBlockM >= seqlen_q) return;
 

@@ -133,9 +133,10 @@ struct MainloopBwdSm90 {
     int64_t accum_row0;  // the same row counted from the start of the scratch (+ head * accum_head_stride)
   };
   CUTE_DEVICE static Seq seq_of(Params const& params, int bidb) {
-    const SeqInfo info = make_seq_info(params.cu_seqlens_q, params.cu_seqlens_k, params.seqused_q,
-                                       params.seqused_k, bidb, params.seqlen_q, params.seqlen_k);
-    const int64_t offset = params.cu_seqlens_q ? padded_row_offset(params.cu_seqlens_q[bidb], bidb) : 0;
+    const SeqInfo info =
+        make_seq_info(params.cu_seqlens_q, params.cu_seqlens_k, params.seqused_q, params.seqused_k, bidb,
+                      params.seqlen_q, params.seqlen_k, get<0>(params.shape_q), get<0>(params.shape_k));
+    const int64_t offset = params.cu_seqlens_q ? padded_row_offset(info.offset_q, bidb) : 0;
     return {info, Mask(info.seqlen_q, info.seqlen_k, params.window_left, params.window_right), int(offset),
             info.batch * params.accum_batch_stride + offset};
   }

@@ -107,7 +107,7 @@ struct MainloopFwdSm90 {
 
   CUTE_DEVICE static SeqInfo seq_info(Params const& params, int bidb) {
     return make_seq_info(params.cu_seqlens_q, params.cu_seqlens_k, params.seqused_q, params.seqused_k, bidb,
-                         params.seqlen_q, params.seqlen_k);
+                         params.seqlen_q, params.seqlen_k, get<0>(params.shape_q), get<0>(params.shape_k));
   }
   CUTE_DEVICE static Mask block_mask(Params const& params, SeqInfo const& seq) {
     return Mask(seq.seqlen_q, seq.seqlen_k, params.window_left, params.window_right);
