@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <climits>
 #include <string>
 
 #include "binding_common.h"
@@ -25,9 +26,6 @@ const int* check_int_vector(const OptTensor& t, int64_t numel, const at::Tensor&
                   " elements (one per sequence) on q's device");
   return t->data_ptr<int>();
 }
-
-// CTAs of one decode kernel per SM: shared memory (Q + stages x (K + V), decode_tile) and 2048 threads.
-int m_blocks_of(int64_t seqlen_q, int64_t group) { return int((seqlen_q * group + 15) / 16); }
 
 // Forward over a KV cache into out / lse; see flash_attn4/_ops_kvcache.py for the semantics. k_new / v_new
 // (batch, seqlen_new, nheads_kv, d) are first written into the cache at cache_seqlens (in place), rotated by
@@ -153,13 +151,15 @@ int64_t decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
   TORCH_CHECK(entry != nullptr, "flash_attn4: no compiled decode kernel for head_dim " + str(d) +
                                     "; rebuild with it in FLASH_ATTN4_HDIMS");
 
-  const int group = int(nheads_q / nheads_kv);
-  const int ctas = m_blocks_of(seqlen_q, group) * int(nheads_kv) * int(batch);
+  TORCH_CHECK(seqlen_q * nheads_q < (int64_t(1) << 31), "flash_attn4: too many query rows for the decode kernel");
+  const int m_blocks = decode_m_blocks(int(seqlen_q), int(nheads_q / nheads_kv));
+  const int64_t ctas = int64_t(m_blocks) * nheads_kv * batch;  // before splitting
   const int n_blocks = (p.capacity + decode_tile(int(d)).block_n - 1) / decode_tile(int(d)).block_n;
   TORCH_CHECK(num_splits >= 0, "flash_attn4: num_splits must be >= 0 (0 = choose, 1 = no split)");
-  p.num_splits = num_splits == 0 ? decode_num_splits(ctas, n_blocks, p.num_sms, paged)
+  const int ctas_int = int(std::min<int64_t>(ctas, INT_MAX));
+  p.num_splits = num_splits == 0 ? decode_num_splits(ctas_int, n_blocks, p.num_sms, paged)
                                  : int(std::min<int64_t>({num_splits, kMaxDecodeSplits, std::max(n_blocks, 1)}));
-  TORCH_CHECK(int64_t(m_blocks_of(seqlen_q, group)) * p.num_splits < (int64_t(1) << 31),
+  TORCH_CHECK(int64_t(m_blocks) * p.num_splits < (int64_t(1) << 31),
               "flash_attn4: too many query rows for the decode kernel");
 
   const c10::cuda::CUDAGuard guard(q.device());
@@ -181,10 +181,6 @@ int64_t decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
   return p.num_splits;
 }
 
-int64_t decode_num_splits_py(int64_t ctas, int64_t n_blocks, int64_t num_sms, bool paged) {
-  return decode_num_splits(int(ctas), int(n_blocks), int(num_sms), paged);
-}
-
 }  // namespace
 
 void register_decode(pybind11::module_& m) {
@@ -194,9 +190,6 @@ void register_decode(pybind11::module_& m) {
         py::arg("cache_leftpad"), py::arg("rotary_cos"), py::arg("rotary_sin"), py::arg("rotary_interleaved"),
         py::arg("softmax_scale"), py::arg("causal"), py::arg("window_left"), py::arg("window_right"),
         py::arg("softcap"), py::arg("num_splits"));
-  m.def("decode_num_splits", &decode_num_splits_py,
-        "The split count num_splits=0 picks for (CTAs unsplit, key tiles, SMs, paged cache)", py::arg("ctas"),
-        py::arg("n_blocks"), py::arg("num_sms"), py::arg("paged"));
 }
 
 }  // namespace flash4::binding

@@ -40,9 +40,10 @@ def decode_available(q: Tensor) -> tuple[bool, str]:
 
 
 def use_decode_for_attn(q: Tensor, k: Tensor, num_splits: int) -> bool:
-    """`attn`'s choice: the decode kernel for short query blocks, or whenever a split count is forced."""
+    """`attn`'s choice, for a call the kernels serve (`_kernel_plan` said so): the decode kernel for short
+    query blocks, or whenever a split count is forced, if its exact head dim is built."""
     rows = q.shape[1] * (q.shape[2] // k.shape[2])
-    return (rows <= DECODE_MAX_ROWS or num_splits > 1) and decode_available(q)[0]
+    return (rows <= DECODE_MAX_ROWS or num_splits > 1) and q.shape[-1] in _build_info.HDIMS
 
 
 def decode_into(

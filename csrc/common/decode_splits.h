@@ -5,7 +5,21 @@
 
 #include <algorithm>
 
+#if defined(__CUDACC__)
+#define FLASH4_HOST_DEVICE __host__ __device__
+#else
+#define FLASH4_HOST_DEVICE
+#endif
+
 namespace flash4 {
+
+// The decode kernel packs a KV head's query rows (seqlen_q tokens x group query heads sharing it) into tiles
+// of kDecodeBlockM rows (one m16 MMA); the grid has decode_m_blocks of them per (KV head, sequence, split).
+constexpr int kDecodeBlockM = 16;
+
+FLASH4_HOST_DEVICE constexpr int decode_m_blocks(int seqlen_q, int group) {
+  return (seqlen_q * group + kDecodeBlockM - 1) / kDecodeBlockM;
+}
 
 // ctas: CTAs without splitting (query-row blocks x KV heads x sequences); n_blocks: key tiles of the longest
 // sequence; num_sms: the GPU's SMs; paged: the keys come from a paged cache.

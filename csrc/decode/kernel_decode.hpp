@@ -15,6 +15,7 @@
 
 #include <cmath>
 
+#include "../common/decode_splits.h"
 #include "../common/mask.hpp"
 #include "../common/softmax.hpp"
 #include "../params.h"
@@ -82,8 +83,9 @@ struct DecodeKernel {
   static constexpr int kSmemBytes = Traits::kSmemBytes + (KVSource::kPaged ? 4 * PageRing::kSize : 0);
   using Params = DecodeParams;
 
-  static int m_blocks(DecodeParams const& p) {
-    return (p.seqlen_q * (p.nheads_q / p.nheads_kv) + kBlockM - 1) / kBlockM;
+  static_assert(kBlockM == kDecodeBlockM, "the host sizes the grid with decode_m_blocks");
+  CUTE_HOST_DEVICE static int m_blocks(DecodeParams const& p) {
+    return decode_m_blocks(p.seqlen_q, p.nheads_q / p.nheads_kv);
   }
   static Params to_params(DecodeParams const& p) { return p; }
   static dim3 grid(DecodeParams const& p) { return dim3(m_blocks(p) * p.num_splits, p.nheads_kv, p.batch); }
@@ -98,7 +100,7 @@ struct DecodeKernel {
   }
 
   CUTE_DEVICE void operator()(Params const& p, char* smem_buf) const {
-    const int m_blocks_ = (p.seqlen_q * (p.nheads_q / p.nheads_kv) + kBlockM - 1) / kBlockM;
+    const int m_blocks_ = m_blocks(p);
     const int m_block = blockIdx.x % m_blocks_, split = blockIdx.x / m_blocks_;
     const int hk = blockIdx.y, b = blockIdx.z;
     const int group = p.nheads_q / p.nheads_kv;
