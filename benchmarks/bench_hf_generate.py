@@ -3,6 +3,7 @@
 sdpa, with a DynamicCache and a StaticCache (eager; --compile adds the compiled StaticCache).
 
     python3 benchmarks/bench_hf_generate.py                   # b1 x 16k and b8 x 4k prompts, 64 new tokens
+    python3 benchmarks/bench_hf_generate.py --profile         # where a DynamicCache decode step spends time
 
 Random weights (no downloads), bf16, greedy decoding of exactly --new-tokens tokens after a random prompt.
 Both models share one set of weights; they take turns for --rounds rounds (the order alternates), and the
@@ -56,6 +57,49 @@ def generate_s(model, ids, args, cache, compiled) -> tuple[float, torch.Tensor]:
     return time.perf_counter() - t0, out
 
 
+def decode_steps(model, ids, steps: int, profiler=None) -> float:
+    """Prefill `ids` into a DynamicCache, then `steps` single-token forwards as generate() makes them (the
+    2-D mask grows by one column a step); returns the mean wall time of a step. Steps run under `profiler`
+    when one is given."""
+    from transformers import DynamicCache
+
+    with torch.no_grad():
+        mask = torch.ones_like(ids)
+        out = model(input_ids=ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config))
+        tok = out.logits[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+            out = model(input_ids=tok, attention_mask=mask, past_key_values=out.past_key_values)
+            tok = out.logits[:, -1:].argmax(-1)
+            if profiler is not None:
+                profiler.step()
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps
+
+
+def profile(models, args) -> None:
+    """One DynamicCache decode step of each implementation: wall time per step, then torch.profiler's top
+    operators by host time and by GPU time (what differs between the two is what to look at)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    for case in args.cases.split(","):
+        b, s = (int(x) for x in case.split("x"))
+        ids = torch.randint(0, 32000, (b, s), device="cuda")
+        for impl, model in models.items():
+            decode_steps(model, ids, 4)  # warm-up
+            step_ms = statistics.median(decode_steps(model, ids, 16) for _ in range(3)) * 1e3
+            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                decode_steps(model, ids, 8)
+            table = prof.key_averages()
+            print(f"\n=== b{b} prompt {s} {impl}: {step_ms:.3f} ms per decode step (DynamicCache, "
+                  f"{args.layers} layers)", flush=True)  # fmt: skip
+            print(table.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+            print(table.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default="1x16384,8x4096", help="batch x prompt length, comma-separated")
@@ -67,8 +111,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="also time the compiled StaticCache")
     ap.add_argument("--no-save", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="profile DynamicCache decode steps, no timing")
     args = ap.parse_args()
     models = build(args)
+    if args.profile:
+        profile(models, args)
+        return
     variants = [("dynamic", False), ("static", False)] + ([("static", True)] if args.compile else [])
     records = []
     for case in args.cases.split(","):
