@@ -79,9 +79,26 @@ def decode_steps(model, ids, steps: int, profiler=None) -> float:
     return (time.perf_counter() - t0) / steps
 
 
+def _sync_sites(prof) -> list[tuple[int, str]]:
+    """Where the host waited for the GPU: each synchronizing runtime call, counted by the Python frames
+    (outside torch) of the nearest operator above it that recorded a stack."""
+    sites: dict[str, int] = {}
+    for e in prof.events():
+        if e.name not in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync"):
+            continue
+        op = e
+        while op is not None and not op.stack:
+            op = op.cpu_parent
+        frames = [f for f in (op.stack if op is not None else []) if "/torch/" not in f][:3]
+        key = f"{e.name} <- " + (" <- ".join(frames) or "?")
+        sites[key] = sites.get(key, 0) + 1
+    return sorted(((n, k) for k, n in sites.items()), reverse=True)
+
+
 def profile(models, args) -> None:
-    """One DynamicCache decode step of each implementation: wall time per step, then torch.profiler's top
-    operators by host time and by GPU time (what differs between the two is what to look at)."""
+    """One DynamicCache decode step of each implementation: wall time per step, where the host waits for
+    the GPU, and torch.profiler's top operators by host time and by GPU time (what differs between the two
+    is what to look at)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -91,11 +108,14 @@ def profile(models, args) -> None:
         for impl, model in models.items():
             decode_steps(model, ids, 4)  # warm-up
             step_ms = statistics.median(decode_steps(model, ids, 16) for _ in range(3)) * 1e3
-            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+            with torch_profile(activities=acts, with_stack=True, acc_events=True) as prof:
                 decode_steps(model, ids, 8)
             table = prof.key_averages()
             print(f"\n=== b{b} prompt {s} {impl}: {step_ms:.3f} ms per decode step (DynamicCache, "
-                  f"{args.layers} layers)", flush=True)  # fmt: skip
+                  f"{args.layers} layers); host waits (prefill + 8 steps):", flush=True)  # fmt: skip
+            for n, site in _sync_sites(prof)[:10]:
+                print(f"  {n:4d}  {site}")
             print(table.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
             print(table.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
 

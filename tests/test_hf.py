@@ -112,6 +112,22 @@ def test_generate_matches_sdpa(kind, cache):
     assert torch.equal(ours.generate(ids, **kw), ref.generate(ids, **kw))
 
 
+@pytest.mark.skipif(_TF_VERSION < (4, 53), reason="mask functions are registered from transformers 4.53")
+def test_mask_function_keeps_decoding_free_of_host_syncs():
+    """A StaticCache's mask comes back padded to the cache length (one shape at every step, so a compiled
+    step is captured once); a decoding step keeps the mask (the decode kernel reads it as lengths, no host
+    check); only a long unpadded query block gets None, as transformers' flash mask gives."""
+    filled = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    static = hf.mask_function(2, 1, 8, attention_mask=filled)
+    assert static.shape == (2, 8) and torch.equal(static[:, :5], filled) and not static[:, 5:].any()
+    assert hf._filled_length(static).tolist() == [5, 5]
+    ones = torch.ones(2, 300, dtype=torch.long)
+    assert hf.mask_function(2, 1, 300, attention_mask=ones).shape == (2, 300)
+    assert hf.mask_function(2, 300, 300, attention_mask=ones) is None
+    assert hf.mask_function(2, 300, 300, attention_mask=None) is None
+    assert hf.mask_function(2, 1, 4, attention_mask=ones).shape == (2, 4)  # a sliding window: the last 4
+
+
 @pytest.mark.parametrize("device, dtype, tol", DEVICES, ids=DEVICE_IDS)
 def test_training_step_matches_eager(device, dtype, tol):
     ref, ours = _models("llama", dtype=dtype, device=device)

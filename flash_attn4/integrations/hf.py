@@ -7,10 +7,11 @@
 
 The attention function follows transformers' flash-attention contract (shared/research/hf_integration.md):
 q/k/v arrive as (batch, heads, seqlen, head_dim) with k/v not repeated for GQA, the output goes back as
-(batch, seqlen, heads, head_dim). The mask function registered beside it (transformers >= 4.53) hands us
-transformers' 2-D padding mask (or None when nothing is padded); a padded batch is unpadded into
-`attn_varlen` and padded back (left or right padding; pad rows get zeros, never NaN). Before 4.53 the model
-passes a 4-D mask, from which the same padding mask is read (see `_padding_mask`).
+(batch, seqlen, heads, head_dim). The mask function registered beside it (`mask_function`, transformers
+>= 4.53) hands us the 2-D padding mask (or None when nothing is padded); a padded batch is unpadded into
+`attn_varlen` and padded back (left or right padding; pad rows get zeros, never NaN), and decoding passes
+it to `attn_with_kvcache` as lengths. Before 4.53 the model passes a 4-D mask, from which the same padding
+mask is read (see `_padding_mask`).
 
 The name is "fa4": transformers treats names containing "flash", "sdpa", "flex_attention" or "/"
 specially, so ours avoids them.
@@ -36,10 +37,43 @@ def _is_compiling() -> bool:
     return bool(getattr(torch.compiler, "is_compiling", lambda: False)())
 
 
+def mask_function(
+    batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+    mask_function: Any = None, attention_mask: Tensor | None = None, **kwargs: Any,
+) -> Tensor | None:  # fmt: skip
+    """The mask transformers (>= 4.53) builds for us once per forward: the 2-D padding mask (batch,
+    kv_length), True = real token, or None when nothing is padded. Like transformers' flash_attention_mask
+    (the last kv_length columns, for sliding windows), with two differences that keep decoding free of host
+    synchronisation:
+
+    * A mask shorter than kv_length (a StaticCache: the cache is longer than what is filled) is padded with
+      False to kv_length, so its shape is the same at every step and a compiled decoding step is captured
+      once (a mask that grows by a column a step would be recompiled / re-recorded every step).
+    * Only a long query block asks the host whether anything is padded (so that an unpadded prefill takes the
+      dense kernels). Decoding keeps the mask: the decode kernel takes it as per-sequence lengths on the
+      device, which costs nothing when nothing is padded, and under torch.compile the mask is always kept.
+    """
+    if attention_mask is None:
+        return None
+    mask = attention_mask[:, -kv_length:].bool()
+    if mask.shape[1] < kv_length:
+        mask = torch.nn.functional.pad(mask, (0, kv_length - mask.shape[1]), value=False)
+    elif q_length > DECODE_MAX_ROWS and not _is_compiling() and bool(mask.all()):
+        return None
+    return mask
+
+
+def _filled_length(keep: Tensor) -> Tensor:
+    """(batch,) int32: one past each row's last real slot (0 for a row with none), computed on the device."""
+    slots = torch.arange(1, keep.shape[1] + 1, dtype=torch.int32, device=keep.device)
+    return (keep.to(torch.int32) * slots).amax(dim=1).to(torch.int32)
+
+
 def _padding_mask(attention_mask: Tensor | None, kv_len: int) -> Tensor | None:
     """The (batch, L) bool padding mask (True = real token, L <= kv_len), or None when there is none.
 
-    transformers >= 4.53 with our mask function gives exactly that (L < kv_len with a StaticCache). Older
+    transformers >= 4.53 with our mask function gives exactly that (L = kv_len; trailing False columns are a
+    StaticCache's unfilled slots). Older
     versions give a 4-D mask (batch, 1, q_len, kv_len [+1 extra column]), additive float or bool, holding
     causality, padding and any sliding window: a key is real iff some query sees it (each real query sees
     itself; a key no query sees is invisible anyway, and such keys are the oldest ones, so dropping them
@@ -93,7 +127,9 @@ def _attn_padded(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, causal: bool, **
     the last Sq of those L positions (q_len == kv_len, or decoding/chunked prefill after left padding).
     """
     b, sq, h, d = q.shape
-    kv_len = keep.shape[1]
+    # The filled slots: up to the last one any row uses (a StaticCache's unfilled tail has no real token).
+    kv_len = int(_filled_length(keep).max())
+    keep = keep[:, :kv_len]
     k, v = k[:, :kv_len], v[:, :kv_len]
     keep_q = keep[:, -sq:] if sq <= kv_len else keep.new_ones(b, sq)
     idx_q = torch.nonzero(keep_q.reshape(-1)).reshape(-1)
@@ -116,12 +152,12 @@ def _attn_padded(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, causal: bool, **
 
 def _decode_padded(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, causal: bool, **kw) -> Tensor:
     """Decoding (or a short chunk) with a padding mask: keep (B, L), L <= Skv (a StaticCache is longer than
-    what is filled). Sequence b's keys are slots [L - keep[b].sum(), L): generation pads on the left, as
-    transformers requires of decoder-only models; the queries are the last Sq of those slots. One
-    attn_with_kvcache call, with no host synchronisation (so it also runs inside a compiled graph)."""
-    b, length = keep.shape
+    what is filled). Sequence b's keys are slots [n_b - keep[b].sum(), n_b), n_b one past its last real
+    slot: generation pads on the left, as transformers requires of decoder-only models, and a StaticCache's
+    unfilled slots come after n_b; the queries are the last Sq of those slots. One attn_with_kvcache call,
+    with no host synchronisation (so it also runs inside a compiled graph)."""
     kw.pop("deterministic", None)  # forward only: the decode kernel is deterministic
-    lens = torch.full((b,), length, dtype=torch.int32, device=q.device)
+    lens = _filled_length(keep)
     leftpad = lens - keep.sum(1, dtype=torch.int32)
     return attn_with_kvcache(q, k, v, cache_seqlens=lens, cache_leftpad=leftpad, causal=causal, **kw)
 
@@ -247,15 +283,15 @@ def attention_forward(
 
 
 def _interfaces():
-    """(AttentionInterface or the pre-4.51 dict, AttentionMaskInterface or None, flash_attention_mask)."""
+    """(AttentionInterface or the pre-4.51 dict, AttentionMaskInterface or None before 4.53)."""
     import transformers.modeling_utils as mu
 
     attention = getattr(mu, "AttentionInterface", None) or mu.ALL_ATTENTION_FUNCTIONS
     try:
-        from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+        from transformers.masking_utils import AttentionMaskInterface
     except ImportError:  # < 4.53: models build a 4-D additive mask themselves
-        return attention, None, None
-    return attention, AttentionMaskInterface, flash_attention_mask
+        return attention, None
+    return attention, AttentionMaskInterface
 
 
 def _register(attention, name: str, fn) -> None:
@@ -269,11 +305,11 @@ def register(name: str = NAME) -> str:
     """Registers our attention (and, on transformers >= 4.53, its padding-mask function) under `name`, so
     `attn_implementation=name` works in from_pretrained / from_config / set_attn_implementation. Idempotent.
     Returns the name."""
-    attention, masks, mask_fn = _interfaces()
+    attention, masks = _interfaces()
     _register(attention, name, attention_forward)
     if masks is not None:
         # Without a registered mask function transformers would pass attention_mask=None: padding lost.
-        masks.register(name, mask_fn)
+        masks.register(name, mask_function)
     return name
 
 
@@ -300,7 +336,7 @@ def patch_transformers(model: torch.nn.Module | None = None) -> torch.nn.Module 
     if model is not None:
         _set_model(model, NAME)
         return model
-    attention, masks, mask_fn = _interfaces()
+    attention, masks = _interfaces()
     if not _saved_sdpa:
         table = attention if isinstance(attention, dict) else attention._global_mapping
         _saved_sdpa["attention"] = table.get("sdpa")
@@ -308,7 +344,7 @@ def patch_transformers(model: torch.nn.Module | None = None) -> torch.nn.Module 
             _saved_sdpa["mask"] = masks._global_mapping.get("sdpa")
     _register(attention, "sdpa", attention_forward)
     if masks is not None:
-        masks.register("sdpa", mask_fn)
+        masks.register("sdpa", mask_function)
     return None
 
 
@@ -316,7 +352,7 @@ def unpatch_transformers() -> None:
     """Undoes `patch_transformers()` (no model): "sdpa" is transformers' own again."""
     if not _saved_sdpa:
         return
-    attention, masks, _ = _interfaces()
+    attention, masks = _interfaces()
     _register(attention, "sdpa", _saved_sdpa.pop("attention"))
     if masks is not None and "mask" in _saved_sdpa:
         masks.register("sdpa", _saved_sdpa.pop("mask"))
