@@ -1,7 +1,7 @@
 // Host-side helpers shared by the launch templates.
 #pragma once
 
-#include <cuda_runtime_api.h>
+#include <cuda_runtime.h>
 
 #include <cutlass/numeric_types.h>
 
@@ -33,9 +33,44 @@ bool tiles_even(const HostParams& p, int block_m, int block_n) {
          p.seqlen_q % block_m == 0 && p.seqlen_k % block_n == 0;
 }
 
+// Whether the current device runs programmatic dependent launch (sm90 and later), asked once per device.
+inline bool device_has_pdl() {
+  static std::atomic<uint64_t> known{0}, has{0};
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  const uint64_t bit = uint64_t(1) << (device & 63);
+  if (!(known.load(std::memory_order_relaxed) & bit)) {
+    int major = 0;
+    check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
+    if (major >= 9) has.fetch_or(bit, std::memory_order_relaxed);
+    known.fetch_or(bit, std::memory_order_relaxed);
+  }
+  return has.load(std::memory_order_relaxed) & bit;
+}
+
+// Launches `entry` on `stream`. With `overlap_prior` (and a device that has it) the launch carries the
+// programmatic-serialization attribute: the kernel may be scheduled while the previous kernel in the stream
+// is still running and must call wait_prior_grid() (common/sync.hpp) before it touches global memory.
+template <class... KernelArgs, class... Args>
+void launch_entry(void (*entry)(KernelArgs...), dim3 grid, int threads, int smem_bytes, cudaStream_t stream,
+                  bool overlap_prior, const char* what, Args const&... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(unsigned(threads));
+  config.dynamicSmemBytes = size_t(smem_bytes);
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = overlap_prior && device_has_pdl() ? 1 : 0;
+  check_cuda(cudaLaunchKernelEx(&config, entry, args...), what);
+}
+
 // Launches `entry` (a kernel_entry_smXX<Kernel>) with Kernel's Params built from the torch-free params `p`.
 template <class Kernel, class Entry, class HostParams>
-void launch_kernel(Entry entry, const HostParams& p, cudaStream_t stream, const char* what) {
+void launch_kernel(Entry entry, const HostParams& p, cudaStream_t stream, const char* what,
+                   bool overlap_prior = false) {
   // Beyond 48 KB a kernel must opt in to dynamic shared memory. The attribute is sticky but belongs to
   // the current device's context, so it is set once per device (bit d of a mask), not once per process.
   static std::atomic<uint64_t> attr_set_on_device{0};
@@ -48,6 +83,10 @@ void launch_kernel(Entry entry, const HostParams& p, cudaStream_t stream, const 
     attr_set_on_device.fetch_or(bit, std::memory_order_relaxed);
   }
   const typename Kernel::Params params = Kernel::to_params(p);
+  if (overlap_prior) {
+    launch_entry(entry, Kernel::grid(p), Kernel::kNumThreads, Kernel::kSmemBytes, stream, true, what, params);
+    return;
+  }
   entry<<<Kernel::grid(p), Kernel::kNumThreads, Kernel::kSmemBytes, stream>>>(params);
   check_cuda(cudaGetLastError(), what);
 }

@@ -1,7 +1,12 @@
 // Host side of the decode path: append (rotary) kernel when the call appends or rotates, the split-KV
 // kernel, and the combine kernel when the keys were split. Included once per generated decode instantiation.
+// The three are short, back to back, and each reads what the one before wrote, so each is launched with
+// programmatic serialization (launch_entry): its launch overlaps the previous kernel's tail and it waits
+// (wait_prior_grid) before its first global access. The decode kernel lets the combine be scheduled once its
+// key loop is done.
 #pragma once
 
+#include "../common/sync.hpp"
 #include "../common/tile_size.h"
 #include "../decode/append_kv.hpp"
 #include "../decode/combine.hpp"
@@ -15,6 +20,7 @@ template <class Kernel>
 __global__ void __launch_bounds__(Kernel::kNumThreads) decode_entry(typename Kernel::Params const params) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   extern __shared__ __align__(128) char smem[];
+  wait_prior_grid();
   Kernel{}(params, smem);
 #endif
 }
@@ -22,6 +28,7 @@ __global__ void __launch_bounds__(Kernel::kNumThreads) decode_entry(typename Ker
 template <class Combine>
 __global__ void __launch_bounds__(Combine::kNumThreads) decode_combine_entry(DecodeParams const params) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  wait_prior_grid();
   Combine{}(params);
 #endif
 }
@@ -30,6 +37,8 @@ template <class Append, class KVSource>
 __global__ void __launch_bounds__(Append::kNumThreads) append_kv_entry(DecodeParams const params,
                                                                         AppendParams const append) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  allow_dependent_grid();  // the decode kernel waits for all of this grid anyway
+  wait_prior_grid();
   Append{}.template run<KVSource>(params, append);
 #endif
 }
@@ -43,17 +52,17 @@ void run_decode_impl(const DecodeParams& p, const AppendParams* append, cudaStre
     const int64_t rows = Append::rows(p, *append);
     if (rows > 0) {
       const unsigned blocks = unsigned((rows + Append::kWarps - 1) / Append::kWarps);
-      append_kv_entry<Append, KVSource><<<blocks, Append::kNumThreads, 0, stream>>>(p, *append);
-      check_cuda(cudaGetLastError(), "decode append kernel launch");
+      launch_entry(append_kv_entry<Append, KVSource>, dim3(blocks), Append::kNumThreads, 0, stream, true,
+                   "decode append kernel launch", p, *append);
     }
   }
   constexpr DecodeTile tile = decode_tile(kHeadDim);
   using Kernel = DecodeKernel<DecodeTraits<Element, kHeadDim, tile.block_n, tile.stages>, KVSource>;
-  launch_kernel<Kernel>(decode_entry<Kernel>, p, stream, "decode kernel launch");
+  launch_kernel<Kernel>(decode_entry<Kernel>, p, stream, "decode kernel launch", /*overlap_prior=*/true);
   if (p.num_splits > 1) {
     using Combine = DecodeCombine<Element, kHeadDim>;
-    decode_combine_entry<Combine><<<Combine::grid(p), Combine::kNumThreads, 0, stream>>>(p);
-    check_cuda(cudaGetLastError(), "decode combine kernel launch");
+    launch_entry(decode_combine_entry<Combine>, Combine::grid(p), Combine::kNumThreads, 0, stream, true,
+                 "decode combine kernel launch", p);
   }
 }
 
