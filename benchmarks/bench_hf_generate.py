@@ -79,20 +79,53 @@ def decode_steps(model, ids, steps: int, profiler=None) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def _sync_sites(prof) -> list[tuple[int, str]]:
-    """Where the host waited for the GPU: each synchronizing runtime call, counted by the Python frames
-    (outside torch) of the nearest operator above it that recorded a stack."""
+def sync_sites(model, ids, steps: int) -> list[tuple[int, str]]:
+    """Where the host waits for the GPU in `steps` decode steps: torch's sync debug mode warns at every
+    synchronizing call; each is counted by the innermost Python frames outside torch."""
+    import traceback
+    import warnings
+
     sites: dict[str, int] = {}
-    for e in prof.events():
-        if e.name not in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync"):
-            continue
-        op = e
-        while op is not None and not op.stack:
-            op = op.cpu_parent
-        frames = [f for f in (op.stack if op is not None else []) if "/torch/" not in f][:3]
-        key = f"{e.name} <- " + (" <- ".join(frames) or "?")
+
+    def record(*_args, **_kwargs):
+        frames = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_stack()[:-1]
+                  if "/torch/" not in f.filename and "warnings" not in f.filename]  # fmt: skip
+        key = " <- ".join(reversed(frames[-3:]))
         sites[key] = sites.get(key, 0) + 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            decode_steps(model, ids, steps)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     return sorted(((n, k) for k, n in sites.items()), reverse=True)
+
+
+def attention_host_us(model, ids, steps: int) -> float:
+    """Mean host time (us) of one decoding call of the model's attention function (q length 1): the
+    registered function is wrapped in a timer for `steps` decode steps."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    name = model.config._attn_implementation
+    table = ALL_ATTENTION_FUNCTIONS._global_mapping
+    inner, times = table[name], []
+
+    def timed(module, query, *a, **kw):
+        t0 = time.perf_counter()
+        out = inner(module, query, *a, **kw)
+        if query.shape[2] == 1:
+            times.append(time.perf_counter() - t0)
+        return out
+
+    table[name] = timed
+    try:
+        decode_steps(model, ids, steps)
+    finally:
+        table[name] = inner
+    return statistics.median(times) * 1e6 if times else float("nan")
 
 
 def profile(models, args) -> None:
@@ -109,13 +142,15 @@ def profile(models, args) -> None:
             decode_steps(model, ids, 4)  # warm-up
             step_ms = statistics.median(decode_steps(model, ids, 16) for _ in range(3)) * 1e3
             acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
-            with torch_profile(activities=acts, with_stack=True, acc_events=True) as prof:
+            with torch_profile(activities=acts, acc_events=True) as prof:
                 decode_steps(model, ids, 8)
             table = prof.key_averages()
             print(f"\n=== b{b} prompt {s} {impl}: {step_ms:.3f} ms per decode step (DynamicCache, "
                   f"{args.layers} layers); host waits (prefill + 8 steps):", flush=True)  # fmt: skip
-            for n, site in _sync_sites(prof)[:10]:
+            for n, site in sync_sites(model, ids, 8)[:10]:
                 print(f"  {n:4d}  {site}")
+            host = attention_host_us(model, ids, 8)
+            print(f"  attention function: {host:.1f} us host time per decoding call")
             print(table.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
             print(table.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
 

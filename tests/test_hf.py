@@ -128,6 +128,21 @@ def test_mask_function_keeps_decoding_free_of_host_syncs():
     assert hf.mask_function(2, 1, 4, attention_mask=ones).shape == (2, 4)  # a sliding window: the last 4
 
 
+def test_lengths_and_packing_are_derived_once_per_forward():
+    """Every layer gets the same mask / position_ids tensor: the first computes, the others reuse; a tensor
+    changed in place (or a new one) is computed afresh."""
+    keep = torch.tensor([[0, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    lens, leftpad = hf._decode_lengths(keep)
+    assert lens.tolist() == [3, 4] and leftpad.tolist() == [1, 0]
+    assert hf._decode_lengths(keep)[0] is lens
+    keep[0, 0] = True
+    assert hf._decode_lengths(keep)[1].tolist() == [0, 0]
+    pos = torch.tensor([[0, 1, 2, 0, 1]])
+    cu = hf._packed_offsets(pos, 1, 5)
+    assert cu.tolist() == [0, 3, 5] and hf._packed_offsets(pos, 1, 5) is cu
+    assert hf._packed_offsets(torch.arange(5)[None], 1, 5) is None
+
+
 @pytest.mark.parametrize("device, dtype, tol", DEVICES, ids=DEVICE_IDS)
 def test_training_step_matches_eager(device, dtype, tol):
     ref, ours = _models("llama", dtype=dtype, device=device)

@@ -19,6 +19,7 @@ specially, so ours avoids them.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -69,6 +70,30 @@ def _filled_length(keep: Tensor) -> Tensor:
     return (keep.to(torch.int32) * slots).amax(dim=1).to(torch.int32)
 
 
+class _PerForward:
+    """f(t) memoized on the tensor t itself (its identity and version): transformers hands every layer of one
+    forward the same mask and position_ids tensors, so what is derived from them (a few tiny kernels, or a
+    host synchronisation) is computed by the first layer only. Traced (compiled) calls are not memoized."""
+
+    def __init__(self, f):
+        self.f, self.key, self.value = f, None, None
+
+    def __call__(self, t: Tensor):
+        if self.key is not None and self.key[0]() is t and self.key[1] == t._version:
+            return self.value
+        value = self.f(t)
+        if not _is_compiling():
+            self.key, self.value = (weakref.ref(t), t._version), value
+        return value
+
+
+@_PerForward
+def _decode_lengths(keep: Tensor) -> tuple[Tensor, Tensor]:
+    """(cache_seqlens, cache_leftpad) of a padding mask, on the device."""
+    lens = _filled_length(keep)
+    return lens, lens - keep.sum(1, dtype=torch.int32)
+
+
 def _padding_mask(attention_mask: Tensor | None, kv_len: int) -> Tensor | None:
     """The (batch, L) bool padding mask (True = real token, L <= kv_len), or None when there is none.
 
@@ -101,16 +126,20 @@ def _padding_mask(attention_mask: Tensor | None, kv_len: int) -> Tensor | None:
 
 def _packed_offsets(position_ids: Tensor | None, batch: int, seqlen: int) -> Tensor | None:
     """cu_seqlens of sequences packed into one row (batch 1; positions restart at each new sequence), or
-    None. Reads position_ids on the host, as transformers' flash path does; skipped under torch.compile."""
-    if position_ids is None or batch != 1 or _is_compiling():
+    None. Reads position_ids on the host (as transformers' flash path does) once per forward; skipped under
+    torch.compile."""
+    if position_ids is None or batch != 1 or _is_compiling() or position_ids.numel() != seqlen:
         return None
+    return _packed_starts(position_ids)
+
+
+@_PerForward
+def _packed_starts(position_ids: Tensor) -> Tensor | None:
     pos = position_ids.reshape(-1)
-    if pos.numel() != seqlen:
-        return None
     starts = torch.nonzero(pos == pos.min()).reshape(-1)
     if starts.numel() <= 1:
         return None
-    ends = torch.cat([starts[1:], starts.new_tensor([seqlen])])
+    ends = torch.cat([starts[1:], starts.new_tensor([pos.numel()])])
     return torch.cat([starts[:1] * 0, ends]).to(torch.int32)
 
 
@@ -157,8 +186,7 @@ def _decode_padded(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, causal: bool, 
     unfilled slots come after n_b; the queries are the last Sq of those slots. One attn_with_kvcache call,
     with no host synchronisation (so it also runs inside a compiled graph)."""
     kw.pop("deterministic", None)  # forward only: the decode kernel is deterministic
-    lens = _filled_length(keep)
-    leftpad = lens - keep.sum(1, dtype=torch.int32)
+    lens, leftpad = _decode_lengths(keep)
     return attn_with_kvcache(q, k, v, cache_seqlens=lens, cache_leftpad=leftpad, causal=causal, **kw)
 
 
