@@ -126,6 +126,33 @@ def _validate_options(
     return softmax_scale, left, right, softcap
 
 
+def _validate_sinks(sinks: Any, nheads_q: int, device: torch.device) -> None:
+    if sinks is None:
+        return
+    if not isinstance(sinks, Tensor) or sinks.dim() != 1 or sinks.numel() != nheads_q:
+        raise ValueError(
+            f"sinks must be a 1-D tensor of one logit per query head ({nheads_q}), got "
+            f"{tuple(sinks.shape) if isinstance(sinks, Tensor) else type(sinks).__name__}"
+        )
+    if not sinks.is_floating_point() or sinks.device != device:
+        raise TypeError(f"sinks must be a floating-point tensor on q's device {device}, got {sinks.dtype} "
+                        f"on {sinks.device}")  # fmt: skip
+
+
+def _with_sinks(out: Tensor, lse: Tensor, sinks: Tensor, head_dim: int) -> tuple[Tensor, Tensor]:
+    """Adds each query head's sink logit to every row's softmax denominator, after the fact: the attention
+    over the keys merged with an empty partial whose lse is the sink (merge_attn_states' math), so
+    out' = out * sigmoid(lse - sink) and lse' = logaddexp(lse, sink). Differentiable in out, lse and sinks
+    through torch ops (the kernels' backward takes the gradient of lse); a row that sees no key keeps
+    out = 0 and gets lse = sink. `head_dim` is lse's head dimension (out's is the one before its last)."""
+    shape = [1] * lse.dim()
+    shape[head_dim] = -1
+    sink = sinks.to(lse.dtype).view(shape)
+    weight = torch.sigmoid(lse - sink)  # (..., heads, rows) or (heads, rows): lse's layout
+    weight = weight.movedim(head_dim, -1).unsqueeze(-1)  # rows, heads, 1: out's layout
+    return (out.to(weight.dtype) * weight).to(out.dtype), torch.logaddexp(lse, sink)
+
+
 def attn(
     q: Tensor,
     k: Tensor,
@@ -138,6 +165,7 @@ def attn(
     return_lse: bool = False,
     deterministic: bool = False,
     num_splits: int = 0,
+    sinks: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Exact attention, O = softmax(scale * Q K^T + mask) V.
 
@@ -158,6 +186,9 @@ def attn(
         num_splits: split-KV for short query blocks (decoding): 0 = choose (the CUDA path then runs the
             split-KV decode kernel when seqlen_q x (nheads_q / nheads_kv) <= 64), 1 = no split, N = force N
             slices of the keys (merged through their LSEs). The result does not depend on it beyond rounding.
+        sinks: optional (nheads_q,) learnable logits (GPT-OSS's attention sinks): each row's softmax
+            denominator gets exp(sinks[h]) more, with no value behind it; gradients flow to sinks. lse then
+            includes the sink (a row that sees no key gets out = 0, lse = sinks[h]).
 
     Returns:
         out: (batch, seqlen_q, nheads_q, headdim), q's dtype; and, with return_lse,
@@ -173,8 +204,11 @@ def attn(
     )
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise TypeError(f"num_splits must be an int >= 0 (0 = choose, 1 = no split), got {num_splits!r}")
+    _validate_sinks(sinks, q.shape[2], q.device)
     fwd = _ops.fwd_impl if _ops.eager_direct(q, k, v) else torch.ops.flash_attn4.fwd
     out, lse = fwd(q, k, v, softmax_scale, causal, left, right, softcap, deterministic, num_splits)
+    if sinks is not None:
+        out, lse = _with_sinks(out, lse, sinks, head_dim=1)
     return (out, lse) if return_lse else out
 
 
@@ -256,6 +290,7 @@ def attn_varlen(
     deterministic: bool = False,
     seqused_q: Tensor | None = None,
     seqused_k: Tensor | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Exact attention over a packed batch of variable-length sequences (no padding).
 
@@ -269,8 +304,8 @@ def attn_varlen(
             sequence longer than its bound is not fully computed.
         seqused_q, seqused_k: optional (batch,) int32: only the first seqused rows of each sequence take part;
             query rows past seqused_q get out = 0 and lse = -inf.
-        causal, softmax_scale, window_size, softcap, deterministic: as for `attn`, per sequence (masks aligned
-            to the bottom-right corner of each sequence).
+        causal, softmax_scale, window_size, softcap, deterministic, sinks: as for `attn`, per sequence (masks
+            aligned to the bottom-right corner of each sequence).
 
     Returns:
         out: (total_q, nheads_q, headdim); with return_lse also lse: (nheads_q, total_q) float32.
@@ -287,6 +322,7 @@ def attn_varlen(
     softmax_scale, left, right, softcap = _validate_options(
         q.shape[-1], causal, softmax_scale, window_size, softcap, return_lse, deterministic
     )
+    _validate_sinks(sinks, q.shape[1], q.device)
     out, lse = torch.ops.flash_attn4.fwd_varlen(
         q,
         k,
@@ -304,4 +340,6 @@ def attn_varlen(
         softcap,
         deterministic,
     )
+    if sinks is not None:
+        out, lse = _with_sinks(out, lse, sinks, head_dim=0)
     return (out, lse) if return_lse else out

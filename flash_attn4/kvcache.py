@@ -10,7 +10,7 @@ from torch import Tensor
 
 from flash_attn4 import _ops, _ops_kvcache, checks  # (importing the _ops modules registers the ops)
 from flash_attn4._reference_kvcache import merge_attn_states_ref
-from flash_attn4.interface import _validate_device_rules, _validate_options
+from flash_attn4.interface import _validate_device_rules, _validate_options, _validate_sinks, _with_sinks
 
 
 def _check_int_vector(name: str, t: Any, batch: int, device: torch.device) -> None:
@@ -106,6 +106,7 @@ def attn_with_kvcache(
     softcap: float = 0.0,
     num_splits: int = 0,
     return_lse: bool = False,
+    sinks: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of q over a KV cache, appending k / v into it first (in place), FlashAttention's semantics.
 
@@ -128,6 +129,7 @@ def attn_with_kvcache(
         causal, softmax_scale, window_size, softcap: as for `attn`, aligned to each sequence's last key.
         num_splits: 0 = choose, 1 = no split, N = split the keys N ways.
         return_lse: also return lse (batch, nheads_q, seqlen_q) float32.
+        sinks: optional (nheads_q,) attention-sink logits, as for `attn`.
 
     Lengths, page ids and batch indices are read on the device (no host synchronisation: the call can be
     captured in a CUDA graph and replayed with new values). Values that lie never fault: lengths are clamped
@@ -145,6 +147,7 @@ def attn_with_kvcache(
         raise TypeError(f"num_splits must be an int >= 0 (0 = choose, 1 = no split), got {num_splits!r}")
     if not isinstance(rotary_interleaved, bool):
         raise TypeError("rotary_interleaved must be a bool")
+    _validate_sinks(sinks, q.shape[2], q.device)
     if checks.checks_enabled():
         checks.check_kvcache(k_cache, 0 if k is None else k.shape[1], cache_seqlens, page_table,
                              cache_batch_idx, cache_leftpad)  # fmt: skip
@@ -157,6 +160,8 @@ def attn_with_kvcache(
         right if not causal else 0,
         softcap, num_splits,
     )  # fmt: skip
+    if sinks is not None:
+        out, lse = _with_sinks(out, lse, sinks, head_dim=1)
     return (out, lse) if return_lse else out
 
 

@@ -219,10 +219,43 @@ def test_unsupported_options_are_clear_errors():
         hf.attention_forward(module, q, k, v, None, dropout=0.1)
     module.eval()  # a module that is not training never fails for its dropout
     assert hf.attention_forward(module, q, k, v, None, dropout=0.1)[0].shape == (1, 6, 4, 16)
-    with pytest.raises(NotImplementedError, match="s_aux"):
-        hf.attention_forward(module, q, k, v, None, s_aux=torch.zeros(4))
     with pytest.raises(ValueError, match="attention mask"):
         hf.attention_forward(module, q, k, v, torch.ones(6, 6, 6))
+
+
+def _gpt_oss():
+    """A tiny random-weight GPT-OSS (attention sinks on every layer, sliding and full layers, MoE)."""
+    cfg = transformers.GptOssConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 2.0)  # sinks large enough to matter
+    ours = flash_attn4.patch_transformers(copy.deepcopy(model))
+    return model, ours
+
+
+@pytest.mark.skipif(not hasattr(transformers, "GptOssConfig"), reason="transformers without GPT-OSS")
+def test_gpt_oss_sinks_match_eager_forward_and_training_step():
+    ref, ours = _gpt_oss()
+    ids, mask = _batch(left=True)
+    ids = ids % 128
+    ref.train(), ours.train()
+    out_ref = ref(ids, attention_mask=mask, labels=ids)
+    out = ours(ids, attention_mask=mask, labels=ids)
+    keep = mask.bool()
+    torch.testing.assert_close(out.logits[keep], out_ref.logits[keep], atol=1e-4, rtol=1e-4)
+    out_ref.loss.backward()
+    out.loss.backward()
+    for (name, p_ref), p in zip(ref.named_parameters(), ours.parameters()):
+        if p_ref.grad is not None:
+            torch.testing.assert_close(p.grad, p_ref.grad, atol=1e-4, rtol=1e-3, msg=name)
+    sink_grad = ours.model.layers[0].self_attn.sinks.grad
+    assert sink_grad is not None and sink_grad.abs().sum() > 0
 
 
 def test_compile_fullgraph_no_graph_breaks():

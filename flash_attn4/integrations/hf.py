@@ -273,16 +273,13 @@ def attention_forward(
     # ...`); module.training is checked too, so a model in eval mode never fails for its train-time dropout.
     if dropout and dropout > 0.0 and getattr(module, "training", True):
         raise ValueError(_dropout_message(module, float(dropout)))
-    if kwargs.get("s_aux") is not None:
-        raise NotImplementedError(
-            f"flash_attn4 ({NAME}) does not support attention sinks (s_aux, GPT-OSS) yet; use "
-            "attn_implementation='eager' for this model"
-        )
     b, hq, sq, d = query.shape
     causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
     dtype = _target_dtype(query, module)
     q, k, v = (t.transpose(1, 2).to(dtype) for t in (query, key, value))
     kw: dict[str, Any] = {"softmax_scale": scaling, "softcap": float(softcap or 0.0)}
+    if kwargs.get("s_aux") is not None:  # GPT-OSS's learnable attention sinks, one logit per query head
+        kw["sinks"] = kwargs["s_aux"]
     if kwargs.get("deterministic") is not None:
         kw["deterministic"] = bool(kwargs["deterministic"])
     if sliding_window is not None and k.shape[1] > sliding_window:
