@@ -18,6 +18,7 @@ from flash_attn4 import _build_info, _ops, reference
 from flash_attn4._build_info import is_built
 from flash_attn4._ops import ReferenceFallbackWarning
 from flash_attn4.checks import enable_checks
+from flash_attn4.fp8 import hadamard_rotate, quantize_fp8
 from flash_attn4.interface import attn, attn_varlen
 from flash_attn4.kvcache import attn_with_kvcache, merge_attn_states
 
@@ -65,9 +66,11 @@ __all__ = [
     "attn_varlen",
     "attn_with_kvcache",
     "enable_checks",
+    "hadamard_rotate",
     "is_built",
     "merge_attn_states",
     "patch_transformers",
+    "quantize_fp8",
     "reference",
     "unpatch_transformers",
 ]
