@@ -17,10 +17,12 @@ import torch as _torch
 from flash_attn4 import _build_info, _ops, reference
 from flash_attn4._build_info import is_built
 from flash_attn4._ops import ReferenceFallbackWarning
+from flash_attn4.block_mask import BlockMask
 from flash_attn4.checks import enable_checks
 from flash_attn4.fp8 import hadamard_rotate, quantize_fp8
 from flash_attn4.interface import attn, attn_varlen
 from flash_attn4.kvcache import attn_with_kvcache, merge_attn_states
+from flash_attn4.sparsity import estimate_block_mask
 
 __version__ = "0.1.0"
 
@@ -60,12 +62,14 @@ def unpatch_transformers() -> None:
 
 
 __all__ = [
+    "BlockMask",
     "ReferenceFallbackWarning",
     "__version__",
     "attn",
     "attn_varlen",
     "attn_with_kvcache",
     "enable_checks",
+    "estimate_block_mask",
     "hadamard_rotate",
     "is_built",
     "merge_attn_states",

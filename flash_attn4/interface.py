@@ -153,6 +153,38 @@ def _with_sinks(out: Tensor, lse: Tensor, sinks: Tensor, head_dim: int) -> tuple
     return (out.to(weight.dtype) * weight).to(out.dtype), torch.logaddexp(lse, sink)
 
 
+def _validate_block_mask(mask: Any, q: Tensor, k: Tensor) -> None:
+    if mask is None:
+        return
+    from flash_attn4.block_mask import BlockMask
+
+    if not isinstance(mask, BlockMask):
+        raise TypeError(f"block_mask must be a flash_attn4.BlockMask, got {type(mask).__name__}")
+    b, sq, hq, _ = q.shape
+    if (mask.seqlen_q, mask.seqlen_k) != (sq, k.shape[1]):
+        raise ValueError(
+            f"block_mask was built for seqlen_q {mask.seqlen_q}, seqlen_k {mask.seqlen_k}; this call has "
+            f"{sq} and {k.shape[1]}"
+        )
+    mb, mh = mask.shape
+    if mb not in (1, b) or mh not in (1, hq):
+        raise ValueError(f"block_mask's (batch, heads) {(mb, mh)} must be 1 or this call's {(b, hq)}")
+    if mask.kv_count.device != q.device:
+        raise ValueError(f"block_mask is on {mask.kv_count.device}, q on {q.device}; use block_mask.to(...)")
+
+
+def _block_sparse(q, k, v, mask, softmax_scale, causal, left, right, softcap) -> tuple[Tensor, Tensor]:
+    from flash_attn4._reference_sparse import block_sparse_attention_ref
+
+    if q.is_cuda:
+        _ops._warn_once(
+            "flash_attn4: block-sparse CUDA kernels are not built yet; block_mask runs on the PyTorch "
+            "reference (correct, dense-speed or slower)"
+        )
+    return block_sparse_attention_ref(q, k, v, mask, causal=causal, softmax_scale=softmax_scale,
+                                      window_size=(left, right), softcap=softcap)  # fmt: skip
+
+
 def attn(
     q: Tensor,
     k: Tensor,
@@ -166,6 +198,7 @@ def attn(
     deterministic: bool = False,
     num_splits: int = 0,
     sinks: Tensor | None = None,
+    block_mask: Any = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Exact attention, O = softmax(scale * Q K^T + mask) V.
 
@@ -189,6 +222,8 @@ def attn(
         sinks: optional (nheads_q,) learnable logits (GPT-OSS's attention sinks): each row's softmax
             denominator gets exp(sinks[h]) more, with no value behind it; gradients flow to sinks. lse then
             includes the sink (a row that sees no key gets out = 0, lse = sinks[h]).
+        block_mask: optional `flash_attn4.BlockMask`: only its blocks are computed, its partial blocks with
+            the causal / window mask, its full blocks without (see flash_attn4.block_mask).
 
     Returns:
         out: (batch, seqlen_q, nheads_q, headdim), q's dtype; and, with return_lse,
@@ -205,8 +240,12 @@ def attn(
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise TypeError(f"num_splits must be an int >= 0 (0 = choose, 1 = no split), got {num_splits!r}")
     _validate_sinks(sinks, q.shape[2], q.device)
-    fwd = _ops.fwd_impl if _ops.eager_direct(q, k, v) else torch.ops.flash_attn4.fwd
-    out, lse = fwd(q, k, v, softmax_scale, causal, left, right, softcap, deterministic, num_splits)
+    _validate_block_mask(block_mask, q, k)
+    if block_mask is not None:
+        out, lse = _block_sparse(q, k, v, block_mask, softmax_scale, causal, left, right, softcap)
+    else:
+        fwd = _ops.fwd_impl if _ops.eager_direct(q, k, v) else torch.ops.flash_attn4.fwd
+        out, lse = fwd(q, k, v, softmax_scale, causal, left, right, softcap, deterministic, num_splits)
     if sinks is not None:
         out, lse = _with_sinks(out, lse, sinks, head_dim=1)
     return (out, lse) if return_lse else out
