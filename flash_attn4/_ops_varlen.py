@@ -9,8 +9,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from flash_attn4 import reference
-from flash_attn4._ops import _kernel_plan, _lse_dtype, _Plan, _warn_once, bwd_into, fwd_into
+from flash_attn4 import _build_info, _ops_kvcache, _varlen_decode, reference
+from flash_attn4._ops import _kernel_plan, _lse_dtype, _Plan, _tma_ready, _warn_once, bwd_into, fwd_into
 
 # Variable-length (packed) batches. The kernels serve them (they read cu_seqlens on the device, so there is no
 # host synchronisation and the op can be captured in a CUDA graph); elsewhere reference.attention_varlen_ref
@@ -61,12 +61,18 @@ def fwd_varlen(
     window_right: int,
     softcap: float,
     deterministic: bool,
+    num_splits: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """Varlen forward. q (total_q, hq, d), k/v (total_k, hk, d) -> out like q, lse (hq, total_q).
 
     Rows outside every sequence (past seqused_q, or past cu_seqlens_q[-1]) get out = 0 and lse = -inf.
+    Short query blocks (max_seqlen_q x GQA group <= DECODE_MAX_ROWS) and forced num_splits > 1 run the
+    split-KV decode kernel (`_varlen_decode`); its out and lse feed the same backward.
     """
     plan, why = _varlen_plan(q, k, max_seqlen_q, max_seqlen_k, causal, window_left, window_right)
+    if plan is not None and _use_decode(q, k, max_seqlen_q, num_splits):
+        return _decode_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                              softmax_scale, plan, softcap, num_splits)  # fmt: skip
     if plan is not None:
         out = torch.zeros_like(q, memory_format=torch.contiguous_format)
         lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
@@ -98,6 +104,26 @@ def fwd_varlen(
         softcap=softcap,
     )
     return out.contiguous(), lse.contiguous()
+
+
+def _use_decode(q: Tensor, k: Tensor, max_seqlen_q: int, num_splits: int) -> bool:
+    """As `attn` chooses: the decode kernel (exact head dim built) for short query blocks or forced splits."""
+    rows = max_seqlen_q * (q.shape[1] // k.shape[1])
+    short = 0 < max_seqlen_q and (rows <= _ops_kvcache.DECODE_MAX_ROWS or num_splits > 1)
+    return short and q.shape[-1] in _build_info.HDIMS
+
+
+def _decode_varlen(q, k, v, cu_q, cu_k, used_q, used_k, max_q, softmax_scale, plan, softcap, num_splits):
+    c = _varlen_decode.as_cache(q, k, v, cu_q, cu_k, used_q, used_k, max_q)
+    qb = c["q_block"]
+    out = torch.empty_like(qb)
+    lse = torch.empty(qb.shape[0], qb.shape[2], qb.shape[1], dtype=torch.float32, device=q.device)
+    _ops_kvcache.decode_into(
+        qb, _tma_ready(c["k_cache"]), _tma_ready(c["v_cache"]), out, lse, softmax_scale, plan.causal,
+        plan.window_left, plan.window_right, softcap, num_splits, cache_seqlens=c["cache_seqlens"],
+        cache_batch_idx=c["cache_batch_idx"], cache_leftpad=c["cache_leftpad"],
+    )  # fmt: skip
+    return _varlen_decode.scatter_back(out, lse, c["rows"], c["valid"], q.shape[0])
 
 
 @fwd_varlen.register_fake
@@ -183,7 +209,7 @@ def _setup_context_varlen(ctx, inputs, output) -> None:
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
     ctx.used = (used_q, used_k)
-    ctx.args = tuple(args)
+    ctx.args = tuple(args[:8])  # max_seqlen_q .. deterministic: what bwd_varlen takes (not num_splits)
     ctx.set_materialize_grads(False)
 
 
@@ -191,7 +217,7 @@ def _backward_varlen(ctx, dout: Optional[Tensor], dlse: Optional[Tensor]):
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
     dout = torch.zeros_like(out) if dout is None else dout
     dq, dk, dv = bwd_varlen(dout, dlse, q, k, v, out, lse, cu_q, cu_k, *ctx.used, *ctx.args)
-    return (dq, dk, dv) + (None,) * 12
+    return (dq, dk, dv) + (None,) * 13
 
 
 fwd_varlen.register_autograd(_backward_varlen, setup_context=_setup_context_varlen)

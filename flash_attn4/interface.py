@@ -330,6 +330,7 @@ def attn_varlen(
     seqused_q: Tensor | None = None,
     seqused_k: Tensor | None = None,
     sinks: Tensor | None = None,
+    num_splits: int = 0,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Exact attention over a packed batch of variable-length sequences (no padding).
 
@@ -343,8 +344,9 @@ def attn_varlen(
             sequence longer than its bound is not fully computed.
         seqused_q, seqused_k: optional (batch,) int32: only the first seqused rows of each sequence take part;
             query rows past seqused_q get out = 0 and lse = -inf.
-        causal, softmax_scale, window_size, softcap, deterministic, sinks: as for `attn`, per sequence (masks
-            aligned to the bottom-right corner of each sequence).
+        causal, softmax_scale, window_size, softcap, deterministic, sinks, num_splits: as for `attn`, per
+            sequence (masks aligned to the bottom-right corner of each sequence); short query blocks
+            (max_seqlen_q x GQA group <= 64: decoding many sequences) run the split-KV decode kernel.
 
     Returns:
         out: (total_q, nheads_q, headdim); with return_lse also lse: (nheads_q, total_q) float32.
@@ -362,6 +364,8 @@ def attn_varlen(
         q.shape[-1], causal, softmax_scale, window_size, softcap, return_lse, deterministic
     )
     _validate_sinks(sinks, q.shape[1], q.device)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise TypeError(f"num_splits must be an int >= 0 (0 = choose, 1 = no split), got {num_splits!r}")
     out, lse = torch.ops.flash_attn4.fwd_varlen(
         q,
         k,
@@ -378,6 +382,7 @@ def attn_varlen(
         right,
         softcap,
         deterministic,
+        num_splits,
     )
     if sinks is not None:
         out, lse = _with_sinks(out, lse, sinks, head_dim=0)

@@ -10,6 +10,7 @@ import torch
 
 import flash_attn4
 from flash_attn4 import _build_info, _ops, attn, interface
+from flash_attn4._reference_kvcache import attention_kvcache_ref
 from flash_attn4.reference import (
     attention_bwd_ref,
     attention_ref,
@@ -299,20 +300,43 @@ class FakeExt:
     def decode(self, q, k_cache, v_cache, out, lse, k_new, v_new, cache_seqlens, page_table, cache_batch_idx,
                cache_leftpad, rotary_cos, rotary_sin, rotary_interleaved, softmax_scale, causal, window_left,
                window_right, softcap, num_splits):  # fmt: skip
-        """`attn`'s short query blocks: k / v are a full contiguous cache, nothing appended or rotated."""
+        """Short query blocks: `attn`'s (k / v a full contiguous cache) and `attn_varlen`'s (one packed cache
+        row, sequences located by cache_seqlens / cache_leftpad / cache_batch_idx); nothing appended or
+        rotated."""
         assert isinstance(softmax_scale, float) and isinstance(causal, bool) and isinstance(num_splits, int)
         assert not (causal and (window_left, window_right) != (-1, -1))
-        assert k_new is None and v_new is None and cache_seqlens is None and page_table is None
-        assert cache_batch_idx is None and cache_leftpad is None and rotary_cos is None and rotary_sin is None
+        assert (
+            k_new is None
+            and v_new is None
+            and page_table is None
+            and rotary_cos is None
+            and rotary_sin is None
+        )
         assert q.shape[-1] in _build_info.HDIMS and out.shape == q.shape and out.is_contiguous()
         b, sq, hq, d = q.shape
         assert lse.shape == (b, hq, sq) and lse.dtype == torch.float32 and lse.is_contiguous()
         opts = {"causal": causal, "window_size": (window_left, window_right), "softcap": softcap}
-        ref_out, ref_lse = attention_ref(q, k_cache, v_cache, softmax_scale=softmax_scale, **opts)
+        if cache_seqlens is None:
+            assert cache_batch_idx is None and cache_leftpad is None
+            ref_out, ref_lse = attention_ref(q, k_cache, v_cache, softmax_scale=softmax_scale, **opts)
+        else:
+            ref_out, ref_lse = attention_kvcache_ref(
+                q, k_cache, v_cache, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
+                cache_leftpad=cache_leftpad, softmax_scale=softmax_scale, **opts,
+            )  # fmt: skip
         out.copy_(ref_out)
         lse.copy_(ref_lse)
         self.calls.append(
-            {"decode": True, "q": q, "k": k_cache, "v": v_cache, "scale": softmax_scale, **opts}
+            {
+                "decode": True,
+                "q": q,
+                "k": k_cache,
+                "v": v_cache,
+                "scale": softmax_scale,
+                "splits": num_splits,
+                "varlen": cache_seqlens is not None,
+                **opts,
+            }
         )
         return max(num_splits, 1)
 
@@ -458,6 +482,30 @@ def test_kernel_arch_dispatch(monkeypatch, capability, archs, force, want):
         assert "rebuild" in why or "pip install" in why
 
 
+@pytest.mark.parametrize("num_splits", [0, 3])
+def test_varlen_short_queries_go_to_the_decode_kernel(fake_ext, num_splits):
+    """max_seqlen_q x group <= 64 (decoding a packed batch): the decode kernel over the packed k / v as one
+    cache row, with no offset read on the host; the result scattered back equals the packed reference, and
+    the gradient comes from the packed backward."""
+    lens_q, lens_k = [1, 3, 0, 2], [10, 40, 5, 1]
+    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)  # noqa: E731
+    q = torch.randn(sum(lens_q), 8, 64, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(sum(lens_k), 2, 64, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(sum(lens_k), 2, 64, dtype=torch.bfloat16, requires_grad=True)
+    for kw in ({"causal": True}, {"window_size": (4, 1), "softcap": 3.0}):
+        out, lse = flash_attn4.attn_varlen(q, k, v, cu(lens_q), cu(lens_k), 3, 40, num_splits=num_splits,
+                                           return_lse=True, **kw)  # fmt: skip
+        call = fake_ext.calls[-1]
+        assert call["decode"] and call["varlen"] and call["q"].shape == (4, 3, 8, 64)
+        ref_out, ref_lse = attention_varlen_ref(
+            q.detach(), k.detach(), v.detach(), cu(lens_q), cu(lens_k), **kw
+        )
+        torch.testing.assert_close(out, ref_out)
+        torch.testing.assert_close(lse, ref_lse.float())
+    out.float().sum().backward()
+    assert fake_ext.calls[-1].get("bwd") and q.grad is not None
+
+
 def test_varlen_goes_to_the_kernel_forward_and_backward(fake_ext):
     """Packed batches reach `_C.fwd`/`_C.bwd` with the offsets (not read on the host), as the reference."""
     lens_q, lens_k = [5, 0, 9], [7, 3, 2]
@@ -467,7 +515,8 @@ def test_varlen_goes_to_the_kernel_forward_and_backward(fake_ext):
     k = torch.randn(sum(lens_k), 2, 64, dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(sum(lens_k), 2, 64, dtype=torch.bfloat16, requires_grad=True)
     kw = {"causal": True, "window_size": (3, -1), "softcap": 5.0}
-    out = flash_attn4.attn_varlen(q, k, v, cu_q, cu_k, 9, 7, **kw)
+    # max_seqlen_q 40 x GQA group 2 = 80 rows: past the decode kernel's 64, so the packed forward kernel.
+    out = flash_attn4.attn_varlen(q, k, v, cu_q, cu_k, 40, 7, **kw)
     assert fake_ext.calls[-1]["packed"] and fake_ext.calls[-1]["window_size"] == (3, 0)
     dq, dk, dv = torch.autograd.grad(out.float().square().sum(), (q, k, v))
     assert fake_ext.calls[-1].get("bwd")

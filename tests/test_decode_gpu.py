@@ -141,6 +141,30 @@ def test_attn_short_queries_run_decode(sq, hq, hk, sk, splits):
     _check(out, lse, ref, ref_lse, lp)
 
 
+@pytest.mark.parametrize("lens_q,lens_k,hq,hk", [([1] * 9, [700, 1, 0, 33, 4096, 5, 64, 65, 999], 32, 8),
+                                                  ([2, 0, 3, 1], [17, 300, 3, 1000], 8, 2)])  # fmt: skip
+@pytest.mark.parametrize("splits", [0, 1, 4])
+def test_attn_varlen_short_queries_run_decode(lens_q, lens_k, hq, hk, splits):
+    """A packed decode batch on the decode kernel (one cache row, sequences by leftpad / seqlens), scattered
+    back; forward against the packed reference, and the packed backward runs on its out / lse."""
+    from flash_attn4.reference import attention_varlen_ref
+
+    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,  # noqa: E731
+                                   device=DEVICE)  # fmt: skip
+    q = torch.randn(sum(lens_q), hq, HDIM, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(sum(lens_k), hk, HDIM, device=DEVICE, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    cq, ck = cu(lens_q), cu(lens_k)
+    mq, mk = max(lens_q), max(lens_k)
+    kw = {"causal": True, "num_splits": splits, "return_lse": True}
+    out, lse = flash_attn4.attn_varlen(q, k, v, cq, ck, mq, mk, **kw)
+    ref, ref_lse = attention_varlen_ref(q.detach(), k, v, cq, ck, causal=True)
+    lp, _ = attention_varlen_ref(q.detach(), k, v, cq, ck, causal=True, upcast=False)
+    _check(out, lse, ref, ref_lse, lp)
+    out.float().sum().backward()
+    assert torch.isfinite(q.grad).all()
+
+
 def test_eager_shortcut_equals_the_dispatched_op():
     """The public functions skip the dispatcher when nothing needs it; the op gives the same bits."""
     from flash_attn4 import _ops
