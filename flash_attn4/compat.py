@@ -5,9 +5,9 @@ a call site switches with its import alone.
 
 Where FlashAttention-2 returns `(out, softmax_lse, S_dmask)` for `return_attn_probs=True`, these return
 the same triple with `S_dmask = None`, as FlashAttention-2 itself does without dropout; the attention
-probabilities are never materialized, so `return_attn_probs=True` with `dropout_p > 0` raises. Options
-flash_attn4 does not implement yet (`dropout_p > 0`, `alibi_slopes`, `block_table` in the varlen function)
-raise a `NotImplementedError` that says so, instead of computing something else. Unlike FlashAttention-2,
+probabilities are never materialized. Options flash_attn4 does not implement yet (`dropout_p > 0`,
+`alibi_slopes` outside flash_attn_func and its packed forms, `block_table` in the varlen function) raise a
+`NotImplementedError` that says so, instead of computing something else. Unlike FlashAttention-2,
 CPU tensors work (on the PyTorch reference), as everywhere in flash_attn4.
 """
 
@@ -31,17 +31,14 @@ __all__ = [
 ]
 
 
-def _unsupported(dropout_p: float, alibi_slopes: Any, return_attn_probs: bool = False) -> None:
+def _unsupported(dropout_p: float, alibi_slopes: Any = None, where: str = "") -> None:
     if dropout_p:
         raise NotImplementedError(
             f"flash_attn4 does not implement attention dropout yet (dropout_p={dropout_p}); pass "
             "dropout_p=0.0 (as at inference) or keep flash-attn 2 for training with dropout"
         )
-    if alibi_slopes is not None:
-        raise NotImplementedError(
-            "flash_attn4 does not implement ALiBi yet (alibi_slopes); keep flash-attn 2 for this model"
-        )
-    del return_attn_probs  # with dropout_p == 0 it only asks for the lse (S_dmask is None in FA2 too)
+    if alibi_slopes is not None and where:
+        raise NotImplementedError(f"flash_attn4 takes alibi_slopes in flash_attn_func, not yet in {where}")
 
 
 def _result(out_lse: tuple[Tensor, Tensor], return_attn_probs: bool):
@@ -69,9 +66,11 @@ def flash_attn_func(
 ):
     """q (batch, seqlen_q, nheads, d), k / v (batch, seqlen_k, nheads_k, d) -> out like q; with
     return_attn_probs also softmax_lse (batch, nheads, seqlen_q) and None. See `flash_attn4.attn`."""
-    _unsupported(dropout_p, alibi_slopes, return_attn_probs)
-    res = attn(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=_window(window_size),
-               softcap=softcap, deterministic=deterministic, return_lse=True)  # fmt: skip
+    _unsupported(dropout_p)
+    res = attn(
+        q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=_window(window_size),
+        softcap=softcap, deterministic=deterministic, alibi_slopes=alibi_slopes, return_lse=True,
+    )  # fmt: skip
     return _result(res, return_attn_probs)
 
 
@@ -130,7 +129,7 @@ def flash_attn_varlen_func(
 ):
     """Packed q (total_q, nheads, d), k / v (total_k, nheads_k, d) with int32 cu_seqlens -> out like q; with
     return_attn_probs also softmax_lse (nheads, total_q) and None. See `flash_attn4.attn_varlen`."""
-    _unsupported(dropout_p, alibi_slopes, return_attn_probs)
+    _unsupported(dropout_p, alibi_slopes, "the varlen functions")
     if block_table is not None:
         raise NotImplementedError(
             "flash_attn4's varlen attention takes contiguous packed k / v, not a paged cache (block_table); "
@@ -210,7 +209,7 @@ def flash_attn_with_kvcache(
     """FlashAttention-2's KV-cache function (k / v appended in place at cache_seqlens; block_table = a paged
     cache, any page size here). Its defaults differ from `flash_attn4.attn_with_kvcache`'s: causal=False and
     interleaved rotary. Returns out, or (out, softmax_lse) with return_softmax_lse."""
-    _unsupported(0.0, alibi_slopes)
+    _unsupported(0.0, alibi_slopes, "flash_attn_with_kvcache")
     if cache_seqlens is None:
         if k is not None:
             raise ValueError("appending k / v needs cache_seqlens (where each sequence's new rows go)")

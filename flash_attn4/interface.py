@@ -173,16 +173,33 @@ def _validate_block_mask(mask: Any, q: Tensor, k: Tensor) -> None:
         raise ValueError(f"block_mask is on {mask.kv_count.device}, q on {q.device}; use block_mask.to(...)")
 
 
-def _block_sparse(q, k, v, mask, softmax_scale, causal, left, right, softcap) -> tuple[Tensor, Tensor]:
-    from flash_attn4._reference_sparse import block_sparse_attention_ref
+def _validate_alibi(slopes: Any, q: Tensor) -> None:
+    if slopes is None:
+        return
+    b, _, hq, _ = q.shape
+    if not isinstance(slopes, Tensor) or tuple(slopes.shape) not in ((hq,), (b, hq)):
+        raise ValueError(
+            f"alibi_slopes must be a (nheads_q,) = ({hq},) or (batch, nheads_q) = ({b}, {hq}) tensor, got "
+            f"{tuple(slopes.shape) if isinstance(slopes, Tensor) else type(slopes).__name__}"
+        )
+    if not slopes.is_floating_point() or slopes.device != q.device:
+        raise TypeError(f"alibi_slopes must be a floating-point tensor on q's device {q.device}")
+
+
+def _general(q, k, v, block_mask, alibi_slopes, softmax_scale, causal, left, right, softcap):
+    """The options no kernel runs yet (block masks, ALiBi): the PyTorch reference, with a warning on CUDA."""
+    from flash_attn4._reference_general import general_attention_ref
 
     if q.is_cuda:
+        names = [n for n, x in (("block_mask", block_mask), ("alibi_slopes", alibi_slopes)) if x is not None]
         _ops._warn_once(
-            "flash_attn4: block-sparse CUDA kernels are not built yet; block_mask runs on the PyTorch "
-            "reference (correct, dense-speed or slower)"
+            f"flash_attn4: no CUDA kernel takes {' and '.join(names)} yet; the PyTorch reference runs "
+            "(correct, at most dense speed)"
         )
-    return block_sparse_attention_ref(q, k, v, mask, causal=causal, softmax_scale=softmax_scale,
-                                      window_size=(left, right), softcap=softcap)  # fmt: skip
+    return general_attention_ref(
+        q, k, v, block_mask=block_mask, alibi_slopes=alibi_slopes, causal=causal, softmax_scale=softmax_scale,
+        window_size=(left, right), softcap=softcap,
+    )  # fmt: skip
 
 
 def attn(
@@ -199,6 +216,7 @@ def attn(
     num_splits: int = 0,
     sinks: Tensor | None = None,
     block_mask: Any = None,
+    alibi_slopes: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Exact attention, O = softmax(scale * Q K^T + mask) V.
 
@@ -224,6 +242,8 @@ def attn(
             includes the sink (a row that sees no key gets out = 0, lse = sinks[h]).
         block_mask: optional `flash_attn4.BlockMask`: only its blocks are computed, its partial blocks with
             the causal / window mask, its full blocks without (see flash_attn4.block_mask).
+        alibi_slopes: optional (nheads_q,) or (batch, nheads_q) ALiBi slopes: the logit of query i and key j
+            gets -slope * |i + seqlen_k - seqlen_q - j| (after softcap).
 
     Returns:
         out: (batch, seqlen_q, nheads_q, headdim), q's dtype; and, with return_lse,
@@ -241,8 +261,9 @@ def attn(
         raise TypeError(f"num_splits must be an int >= 0 (0 = choose, 1 = no split), got {num_splits!r}")
     _validate_sinks(sinks, q.shape[2], q.device)
     _validate_block_mask(block_mask, q, k)
-    if block_mask is not None:
-        out, lse = _block_sparse(q, k, v, block_mask, softmax_scale, causal, left, right, softcap)
+    _validate_alibi(alibi_slopes, q)
+    if block_mask is not None or alibi_slopes is not None:
+        out, lse = _general(q, k, v, block_mask, alibi_slopes, softmax_scale, causal, left, right, softcap)
     else:
         fwd = _ops.fwd_impl if _ops.eager_direct(q, k, v) else torch.ops.flash_attn4.fwd
         out, lse = fwd(q, k, v, softmax_scale, causal, left, right, softcap, deterministic, num_splits)

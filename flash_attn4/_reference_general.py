@@ -1,6 +1,7 @@
-"""Reference block-sparse attention (`attn(..., block_mask=...)`): the executable spec of what the kernels
-compute for a BlockMask, in torch ops (differentiable through autograd), one query block at a time so
-memory stays at (batch, heads, 128, seqlen_k) scores."""
+"""Reference attention for the options the kernels do not run yet: block masks (`attn(..., block_mask=...)`)
+and ALiBi (`alibi_slopes`). The executable spec of what the kernels will compute, in torch ops
+(differentiable through autograd), one block of 128 query rows at a time so memory stays at
+(batch, heads, 128, seqlen_k) scores."""
 
 from __future__ import annotations
 
@@ -9,34 +10,49 @@ import math
 import torch
 from torch import Tensor
 
-from flash_attn4.block_mask import BlockMask, _builtin
+from flash_attn4.block_mask import BLOCK, BlockMask, _builtin
 
 
-def block_sparse_attention_ref(
-    q: Tensor, k: Tensor, v: Tensor, mask: BlockMask, *, causal: bool, softmax_scale: float,
-    window_size: tuple[int, int], softcap: float,
+def general_attention_ref(
+    q: Tensor, k: Tensor, v: Tensor, *, block_mask: BlockMask | None = None,
+    alibi_slopes: Tensor | None = None, causal: bool, softmax_scale: float, window_size: tuple[int, int],
+    softcap: float,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """q (b, sq, hq, d), k / v (b, sk, hk, d) -> out (b, sq, hq, d) in q's dtype, lse (b, hq, sq) float32
-    (float64 for float64 inputs). Element (i, j) takes part iff mask says so (full block, or partial block
-    and the causal / window mask); a row with no key gets out = 0, lse = -inf."""
+    (float64 for float64 inputs). The logit of (i, j) is softcap(scale q_i . k_j) - slope_h |i + sk - sq - j|
+    (ALiBi, slopes (hq,) or (b, hq)); element (i, j) takes part iff the causal / window mask lets it and,
+    with a block mask, its block is full (no element mask) or partial (with it). A row with no key gets
+    out = 0, lse = -inf."""
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     qt = q.transpose(1, 2).to(cdt)  # (b, hq, sq, d)
     kt = k.transpose(1, 2).to(cdt).repeat_interleave(hq // hk, dim=1)
     vt = v.transpose(1, 2).to(cdt).repeat_interleave(hq // hk, dim=1)
-    partial, full = mask.to_dense()  # (B, H, nq, nk), B / H possibly 1
-    blk = mask.block_size
+    blk = BLOCK if block_mask is None else block_mask.block_size
+    if block_mask is not None:
+        partial, full = block_mask.to_dense()  # (B, H, nq, nk), B / H possibly 1
     col_block = torch.arange(sk, device=q.device) // blk
+    slopes = None
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(cdt).reshape(-1 if alibi_slopes.dim() == 2 else 1, hq)[..., None, None]
     outs, lses = [], []
     for qb in range(math.ceil(sq / blk)):
         r0, r1 = qb * blk, min(sq, (qb + 1) * blk)
         rows = torch.arange(r0, r1, device=q.device)
         elem = _builtin(sq, sk, causal, window_size, q.device, rows=rows)  # (rows, sk)
-        seen = full[:, :, qb, col_block][:, :, None, :] | (partial[:, :, qb, col_block][:, :, None, :] & elem)
+        if block_mask is None:
+            seen = elem[None, None]
+        else:
+            seen = full[:, :, qb, col_block][:, :, None, :] | (
+                partial[:, :, qb, col_block][:, :, None, :] & elem
+            )
         s = torch.matmul(qt[:, :, r0:r1], kt.transpose(-1, -2)) * softmax_scale
         if softcap:
             s = softcap * torch.tanh(s / softcap)
+        if slopes is not None:
+            dist = (rows[:, None] + (sk - sq) - torch.arange(sk, device=q.device)[None, :]).abs().to(cdt)
+            s = s - slopes * dist
         seen = seen.expand(b, hq, -1, -1)
         s = s.masked_fill(~seen, -math.inf)
         # Rows that see nothing: out 0, lse -inf, and no NaN in the gradient (logsumexp of an all -inf row
