@@ -1,7 +1,7 @@
-"""Reference attention for the options the kernels do not run yet: block masks (`attn(..., block_mask=...)`)
-and ALiBi (`alibi_slopes`). The executable spec of what the kernels will compute, in torch ops
-(differentiable through autograd), one block of 128 query rows at a time so memory stays at
-(batch, heads, 128, seqlen_k) scores."""
+"""Reference attention for the options the kernels do not run yet: block masks (`block_mask`), ALiBi
+(`alibi_slopes`) and dropout (`dropout_p`, with flash_attn4.dropout's keep mask). The executable spec of
+what the kernels will compute, in torch ops (differentiable through autograd), one block of 128 query rows
+at a time so memory stays at (batch, heads, 128, seqlen_k) scores."""
 
 from __future__ import annotations
 
@@ -11,18 +11,21 @@ import torch
 from torch import Tensor
 
 from flash_attn4.block_mask import BLOCK, BlockMask, _builtin
+from flash_attn4.dropout import keep_mask
 
 
 def general_attention_ref(
     q: Tensor, k: Tensor, v: Tensor, *, block_mask: BlockMask | None = None,
     alibi_slopes: Tensor | None = None, causal: bool, softmax_scale: float, window_size: tuple[int, int],
-    softcap: float,
+    softcap: float, dropout_p: float = 0.0, dropout_seed: tuple[int, int] = (0, 0), dropout_batch: int = 0,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """q (b, sq, hq, d), k / v (b, sk, hk, d) -> out (b, sq, hq, d) in q's dtype, lse (b, hq, sq) float32
     (float64 for float64 inputs). The logit of (i, j) is softcap(scale q_i . k_j) - slope_h |i + sk - sq - j|
     (ALiBi, slopes (hq,) or (b, hq)); element (i, j) takes part iff the causal / window mask lets it and,
     with a block mask, its block is full (no element mask) or partial (with it). A row with no key gets
-    out = 0, lse = -inf."""
+    out = 0, lse = -inf. dropout_p > 0 drops probabilities by `keep_mask(*dropout_seed, ...)` (batch index
+    counted from dropout_batch, for a packed batch's sequences) and scales the kept ones by 1 / (1 - p);
+    lse is that of the probabilities before dropout."""
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -60,6 +63,10 @@ def general_attention_ref(
         empty = ~seen.any(dim=-1)
         lse = torch.logsumexp(torch.where(empty[..., None], torch.zeros_like(s), s), dim=-1)
         p = torch.exp(s - lse[..., None])
+        if dropout_p > 0:
+            keep = keep_mask(*dropout_seed, dropout_p, b, hq, rows, torch.arange(sk, device=q.device),
+                             batch_start=dropout_batch)  # fmt: skip
+            p = p * keep / (1 - dropout_p)
         outs.append(torch.matmul(p, vt))
         lses.append(lse.masked_fill(empty, -math.inf))
     if not outs:  # no query rows
@@ -69,3 +76,31 @@ def general_attention_ref(
     out = torch.cat(outs, dim=2).transpose(1, 2).to(q.dtype)
     lse = torch.cat(lses, dim=2)
     return out, lse.to(torch.float64 if cdt == torch.float64 else torch.float32)
+
+
+def general_varlen_ref(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *, seqused_q=None,
+    seqused_k=None, causal: bool, softmax_scale: float, window_size: tuple[int, int], softcap: float,
+    dropout_p: float = 0.0, dropout_seed: tuple[int, int] = (0, 0),
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """The packed form: sequence b is `general_attention_ref` of its rows with dropout batch index b (the
+    offsets are read on the host). out (total_q, hq, d), lse (hq, total_q); rows outside every sequence get
+    out = 0, lse = -inf."""
+    from flash_attn4.reference import _varlen_segments
+
+    total_q, hq, _ = q.shape
+    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = q.new_zeros(total_q, hq, v.shape[-1])
+    lse = torch.full((hq, total_q), -math.inf, dtype=cdt, device=q.device)
+    for b, (q0, nq, k0, nk) in enumerate(_varlen_segments(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)):
+        if nq == 0:
+            continue
+        o, l_ = general_attention_ref(
+            q[None, q0:q0 + nq], k[None, k0:k0 + nk], v[None, k0:k0 + nk], causal=causal,
+            softmax_scale=softmax_scale, window_size=window_size, softcap=softcap, dropout_p=dropout_p,
+            dropout_seed=dropout_seed, dropout_batch=b,
+        )  # fmt: skip
+        rows = torch.arange(q0, q0 + nq, device=q.device)
+        out = out.index_copy(0, rows, o[0])
+        lse = lse.index_copy(1, rows, l_[0].to(cdt))
+    return out, lse

@@ -3,12 +3,12 @@ a call site switches with its import alone.
 
     from flash_attn4.compat import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 
-Where FlashAttention-2 returns `(out, softmax_lse, S_dmask)` for `return_attn_probs=True`, these return
-the same triple with `S_dmask = None`, as FlashAttention-2 itself does without dropout; the attention
-probabilities are never materialized. Options flash_attn4 does not implement yet (`dropout_p > 0`,
-`alibi_slopes` outside flash_attn_func and its packed forms, `block_table` in the varlen function) raise a
-`NotImplementedError` that says so, instead of computing something else. Unlike FlashAttention-2,
-CPU tensors work (on the PyTorch reference), as everywhere in flash_attn4.
+Where FlashAttention-2 returns `(out, softmax_lse, S_dmask)` for `return_attn_probs=True`, these return the
+same triple with `S_dmask = None`, as FlashAttention-2 itself does without dropout: the attention
+probabilities are never materialized, so `return_attn_probs=True` with `dropout_p > 0` raises. Options not
+implemented yet (`alibi_slopes` outside flash_attn_func and its packed forms, the varlen function's
+`block_table`) raise a `NotImplementedError` that says so, instead of computing something else. Unlike
+FlashAttention-2, CPU tensors work (on the PyTorch reference), as everywhere in flash_attn4.
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ __all__ = [
 ]
 
 
-def _unsupported(dropout_p: float, alibi_slopes: Any = None, where: str = "") -> None:
-    if dropout_p:
+def _unsupported(dropout_p: float, alibi_slopes: Any = None, where: str = "", probs: bool = False) -> None:
+    if dropout_p and probs:
         raise NotImplementedError(
-            f"flash_attn4 does not implement attention dropout yet (dropout_p={dropout_p}); pass "
-            "dropout_p=0.0 (as at inference) or keep flash-attn 2 for training with dropout"
+            "return_attn_probs=True with dropout_p > 0 asks for the dropped-out attention probabilities, "
+            "which flash_attn4 never materializes; the keep mask is flash_attn4.dropout.keep_mask"
         )
     if alibi_slopes is not None and where:
         raise NotImplementedError(f"flash_attn4 takes alibi_slopes in flash_attn_func, not yet in {where}")
@@ -66,10 +66,11 @@ def flash_attn_func(
 ):
     """q (batch, seqlen_q, nheads, d), k / v (batch, seqlen_k, nheads_k, d) -> out like q; with
     return_attn_probs also softmax_lse (batch, nheads, seqlen_q) and None. See `flash_attn4.attn`."""
-    _unsupported(dropout_p)
+    _unsupported(dropout_p, probs=return_attn_probs)
     res = attn(
         q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=_window(window_size),
-        softcap=softcap, deterministic=deterministic, alibi_slopes=alibi_slopes, return_lse=True,
+        softcap=softcap, deterministic=deterministic, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+        return_lse=True,
     )  # fmt: skip
     return _result(res, return_attn_probs)
 
@@ -129,7 +130,7 @@ def flash_attn_varlen_func(
 ):
     """Packed q (total_q, nheads, d), k / v (total_k, nheads_k, d) with int32 cu_seqlens -> out like q; with
     return_attn_probs also softmax_lse (nheads, total_q) and None. See `flash_attn4.attn_varlen`."""
-    _unsupported(dropout_p, alibi_slopes, "the varlen functions")
+    _unsupported(dropout_p, alibi_slopes, "the varlen functions", return_attn_probs)
     if block_table is not None:
         raise NotImplementedError(
             "flash_attn4's varlen attention takes contiguous packed k / v, not a paged cache (block_table); "
@@ -137,7 +138,8 @@ def flash_attn_varlen_func(
         )
     res = attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                       causal=causal, softmax_scale=softmax_scale, window_size=_window(window_size),
-                      softcap=softcap, deterministic=deterministic, return_lse=True)  # fmt: skip
+                      softcap=softcap, deterministic=deterministic, dropout_p=dropout_p,
+                      return_lse=True)  # fmt: skip
     return _result(res, return_attn_probs)
 
 

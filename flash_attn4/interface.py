@@ -186,19 +186,32 @@ def _validate_alibi(slopes: Any, q: Tensor) -> None:
         raise TypeError(f"alibi_slopes must be a floating-point tensor on q's device {q.device}")
 
 
-def _general(q, k, v, block_mask, alibi_slopes, softmax_scale, causal, left, right, softcap):
-    """The options no kernel runs yet (block masks, ALiBi): the PyTorch reference, with a warning on CUDA."""
-    from flash_attn4._reference_general import general_attention_ref
+def _validate_dropout(p: Any) -> float:
+    if isinstance(p, bool) or not isinstance(p, Real) or not 0 <= float(p) < 1:
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {p!r}; pass 0.0 at inference")
+    return float(p)
 
+
+def _warn_reference(q: Tensor, **options: Any) -> None:
     if q.is_cuda:
-        names = [n for n, x in (("block_mask", block_mask), ("alibi_slopes", alibi_slopes)) if x is not None]
+        names = " and ".join(n for n, x in options.items() if x is not None and x is not False)
         _ops._warn_once(
-            f"flash_attn4: no CUDA kernel takes {' and '.join(names)} yet; the PyTorch reference runs "
-            "(correct, at most dense speed)"
+            f"flash_attn4: no CUDA kernel takes {names} yet; the PyTorch reference runs (correct, at most "
+            "dense speed)"
         )
+
+
+def _general(q, k, v, block_mask, alibi_slopes, dropout_p, softmax_scale, causal, left, right, softcap):
+    """The options no kernel runs yet (block masks, ALiBi, dropout): the PyTorch reference, with a warning
+    on CUDA. Dropout draws its (seed, offset) from torch's generator (flash_attn4.dropout)."""
+    from flash_attn4._reference_general import general_attention_ref
+    from flash_attn4.dropout import draw_seed
+
+    _warn_reference(q, block_mask=block_mask, alibi_slopes=alibi_slopes, dropout_p=dropout_p > 0 or None)
     return general_attention_ref(
         q, k, v, block_mask=block_mask, alibi_slopes=alibi_slopes, causal=causal, softmax_scale=softmax_scale,
-        window_size=(left, right), softcap=softcap,
+        window_size=(left, right), softcap=softcap, dropout_p=dropout_p,
+        dropout_seed=draw_seed(q.device) if dropout_p > 0 else (0, 0),
     )  # fmt: skip
 
 
@@ -217,6 +230,7 @@ def attn(
     sinks: Tensor | None = None,
     block_mask: Any = None,
     alibi_slopes: Tensor | None = None,
+    dropout_p: float = 0.0,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Exact attention, O = softmax(scale * Q K^T + mask) V.
 
@@ -244,6 +258,10 @@ def attn(
             the causal / window mask, its full blocks without (see flash_attn4.block_mask).
         alibi_slopes: optional (nheads_q,) or (batch, nheads_q) ALiBi slopes: the logit of query i and key j
             gets -slope * |i + seqlen_k - seqlen_q - j| (after softcap).
+        dropout_p: attention dropout for training (pass 0.0 at inference): each probability is dropped
+            with probability dropout_p (flash_attn4.dropout: a Philox keep mask from (seed, offset) drawn
+            from torch's generator, so torch.manual_seed reproduces it) and the kept ones scaled by
+            1 / (1 - dropout_p); lse is that of the probabilities before dropout.
 
     Returns:
         out: (batch, seqlen_q, nheads_q, headdim), q's dtype; and, with return_lse,
@@ -262,8 +280,10 @@ def attn(
     _validate_sinks(sinks, q.shape[2], q.device)
     _validate_block_mask(block_mask, q, k)
     _validate_alibi(alibi_slopes, q)
-    if block_mask is not None or alibi_slopes is not None:
-        out, lse = _general(q, k, v, block_mask, alibi_slopes, softmax_scale, causal, left, right, softcap)
+    dropout_p = _validate_dropout(dropout_p)
+    if block_mask is not None or alibi_slopes is not None or dropout_p > 0:
+        out, lse = _general(q, k, v, block_mask, alibi_slopes, dropout_p, softmax_scale, causal, left, right,
+                            softcap)  # fmt: skip
     else:
         fwd = _ops.fwd_impl if _ops.eager_direct(q, k, v) else torch.ops.flash_attn4.fwd
         out, lse = fwd(q, k, v, softmax_scale, causal, left, right, softcap, deterministic, num_splits)
@@ -352,6 +372,7 @@ def attn_varlen(
     seqused_k: Tensor | None = None,
     sinks: Tensor | None = None,
     num_splits: int = 0,
+    dropout_p: float = 0.0,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Exact attention over a packed batch of variable-length sequences (no padding).
 
@@ -365,9 +386,10 @@ def attn_varlen(
             sequence longer than its bound is not fully computed.
         seqused_q, seqused_k: optional (batch,) int32: only the first seqused rows of each sequence take part;
             query rows past seqused_q get out = 0 and lse = -inf.
-        causal, softmax_scale, window_size, softcap, deterministic, sinks, num_splits: as for `attn`, per
-            sequence (masks aligned to the bottom-right corner of each sequence); short query blocks
-            (max_seqlen_q x GQA group <= 64: decoding many sequences) run the split-KV decode kernel.
+        causal, softmax_scale, window_size, softcap, deterministic, sinks, num_splits, dropout_p: as for
+            `attn`, per sequence (masks aligned to the bottom-right corner of each sequence; dropout counts
+            sequence b as batch index b); short query blocks (max_seqlen_q x GQA group <= 64: decoding
+            many sequences) run the split-KV decode kernel.
 
     Returns:
         out: (total_q, nheads_q, headdim); with return_lse also lse: (nheads_q, total_q) float32.
@@ -387,6 +409,20 @@ def attn_varlen(
     _validate_sinks(sinks, q.shape[1], q.device)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise TypeError(f"num_splits must be an int >= 0 (0 = choose, 1 = no split), got {num_splits!r}")
+    dropout_p = _validate_dropout(dropout_p)
+    if dropout_p > 0:
+        from flash_attn4._reference_general import general_varlen_ref
+        from flash_attn4.dropout import draw_seed
+
+        _warn_reference(q, dropout_p=True)
+        out, lse = general_varlen_ref(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k, causal=causal,
+            softmax_scale=softmax_scale, window_size=(left, right), softcap=softcap, dropout_p=dropout_p,
+            dropout_seed=draw_seed(q.device),
+        )  # fmt: skip
+        if sinks is not None:
+            out, lse = _with_sinks(out, lse, sinks, head_dim=0)
+        return (out, lse) if return_lse else out
     out, lse = torch.ops.flash_attn4.fwd_varlen(
         q,
         k,

@@ -145,8 +145,8 @@ def test_with_kvcache_uses_flash_attention_2s_defaults():
 
 def test_what_is_not_implemented_says_so():
     q, k, v = _qkv()
-    with pytest.raises(NotImplementedError, match="dropout"):
-        compat.flash_attn_func(q, k, v, 0.1)
+    with pytest.raises(NotImplementedError, match="return_attn_probs"):
+        compat.flash_attn_func(q, k, v, 0.1, return_attn_probs=True)
     qp, kp, vp, cu_q, cu_k, mq, mk = _varlen()
     with pytest.raises(NotImplementedError, match="block_table"):
         compat.flash_attn_varlen_func(qp, kp, vp, cu_q, cu_k, mq, mk, block_table=torch.zeros(3, 1))

@@ -204,58 +204,6 @@ def _target_dtype(query: Tensor, module: torch.nn.Module) -> torch.dtype:
     return query.dtype
 
 
-# Config fields that hold the attention-probability dropout, most specific first: Llama/Mistral/Qwen/BART
-# (attention_dropout), BERT/RoBERTa/ViT (attention_probs_dropout_prob), GPT-2/GPT-J (attn_pdrop), others.
-_DROPOUT_FIELDS = (
-    "attention_dropout",
-    "attention_probs_dropout_prob",
-    "attn_pdrop",
-    "attn_dropout",
-    "attention_dropout_prob",
-    "attention_probs_dropout",
-    "dropout",
-)
-
-
-def _dropout_field(config: Any, p: float) -> str | None:
-    """The name of the config field the attention dropout `p` came from, or None when none is found.
-
-    First a field that holds `p` (a known name first, then any field with "drop" in its name, those naming
-    attention first), else the first known field that is non-zero."""
-    items = config.items() if isinstance(config, dict) else getattr(config, "__dict__", {}).items()
-    fields = {
-        name: value
-        for name, value in items
-        if "drop" in name and isinstance(value, (int, float)) and not isinstance(value, bool)
-    }
-    known = [n for n in _DROPOUT_FIELDS if n in fields]
-    others = sorted((n for n in fields if n not in _DROPOUT_FIELDS), key=lambda n: "att" not in n)
-    for name in (*known, *others):
-        if abs(float(fields[name]) - p) < 1e-12:
-            return name
-    return next((n for n in known if fields[n]), None)
-
-
-def _dropout_message(module: torch.nn.Module, p: float) -> str:
-    config = getattr(module, "config", None)
-    field = _dropout_field(config, p) if config is not None else None
-    what = type(module).__name__
-    if field is None:
-        fix = "set the model's attention dropout to 0.0 in its config"
-    else:
-        fix = (
-            f"set {field}=0.0 in the config the model is built from, e.g. "
-            f"from_pretrained(..., {field}=0.0) (most models read it when their layers are built, so "
-            "changing model.config afterwards may not take effect)"
-        )
-    return (
-        f"flash_attn4 ({NAME}) has no attention dropout, and {what} is training with dropout {p}"
-        + (f" (config.{field} = {getattr(config, field)})" if field else "")
-        + f': {fix}; or use attn_implementation="sdpa" for this model. In eval mode (model.eval()) no '
-        f"dropout is applied and {NAME} runs as is."
-    )
-
-
 def attention_forward(
     module: torch.nn.Module,
     query: Tensor,
@@ -269,15 +217,15 @@ def attention_forward(
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """transformers attention function: (B, H, S, D) in, ((B, S, H, D), None) out."""
-    # transformers passes dropout=0.0 outside training (every 5.x model: `0.0 if not self.training else
-    # ...`); module.training is checked too, so a model in eval mode never fails for its train-time dropout.
-    if dropout and dropout > 0.0 and getattr(module, "training", True):
-        raise ValueError(_dropout_message(module, float(dropout)))
     b, hq, sq, d = query.shape
     causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
     dtype = _target_dtype(query, module)
     q, k, v = (t.transpose(1, 2).to(dtype) for t in (query, key, value))
     kw: dict[str, Any] = {"softmax_scale": scaling, "softcap": float(softcap or 0.0)}
+    # transformers passes dropout=0.0 outside training (every 5.x model: `0.0 if not self.training else
+    # ...`); module.training is checked too, so a model in eval mode never applies its train-time dropout.
+    if dropout and dropout > 0.0 and getattr(module, "training", True):
+        kw["dropout_p"] = float(dropout)
     if kwargs.get("s_aux") is not None:  # GPT-OSS's learnable attention sinks, one logit per query head
         kw["sinks"] = kwargs["s_aux"]
     if kwargs.get("deterministic") is not None:
@@ -288,7 +236,8 @@ def attention_forward(
         kw["window_size"] = (sliding_window - 1, 0 if causal else sliding_window - 1)
 
     keep = _padding_mask(attention_mask, k.shape[1])
-    if keep is not None and sq < keep.shape[1] and sq * (hq // k.shape[2]) <= DECODE_MAX_ROWS:
+    decoding = keep is not None and sq < keep.shape[1] and sq * (hq // k.shape[2]) <= DECODE_MAX_ROWS
+    if decoding and "dropout_p" not in kw:
         out = _decode_padded(q, k, v, keep, causal, **kw)
     elif keep is not None:
         out = _attn_padded(q, k, v, keep, causal, **kw)

@@ -1,0 +1,107 @@
+"""Attention dropout (`dropout_p`): the Philox4x32-10 generator against Random123's known answers; the keep
+mask's rate and independence from the tiling; a call reproduced by torch.manual_seed and equal, forward and
+gradients, to dense fp64 attention with the same keep mask applied; packed batches count sequence b as
+batch b."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import flash_attn4
+from flash_attn4 import compat, dropout
+
+
+@pytest.mark.parametrize(
+    "counter,key,want",
+    [  # Random123 kat_vectors, philox4x32_10
+        ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+        ((0xFFFFFFFF,) * 4, (0xFFFFFFFF, 0xFFFFFFFF), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+        ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+         (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+    ],
+)  # fmt: skip
+def test_philox_known_answers(counter, key, want):
+    words = dropout.philox4x32(tuple(torch.tensor(c) for c in counter), key)
+    assert tuple(int(w) for w in words) == want
+
+
+def test_keep_mask_rate_and_slices():
+    rows, cols = torch.arange(300), torch.arange(257)
+    keep = dropout.keep_mask(123, 7, 0.3, 2, 3, rows, cols)
+    assert keep.shape == (2, 3, 300, 257)
+    assert abs(keep.float().mean().item() - 0.7) < 0.01
+    # A tile of the mask is the mask of the tile (what lets a kernel compute it per tile).
+    tile = dropout.keep_mask(123, 7, 0.3, 1, 3, rows[128:256], cols[64:128], batch_start=1)
+    assert torch.equal(tile[0], keep[1, :, 128:256, 64:128])
+    assert not torch.equal(keep, dropout.keep_mask(124, 7, 0.3, 2, 3, rows, cols))  # the seed matters
+    assert not torch.equal(keep, dropout.keep_mask(123, 8, 0.3, 2, 3, rows, cols))  # and the offset
+
+
+def dense_dropout(q, k, v, keep, p, causal):
+    b, sq, hq, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    kk, vv = (t.repeat_interleave(hq // hk, dim=2) for t in (k, v))
+    s = torch.einsum("bqhd,bkhd->bhqk", q, kk) / math.sqrt(d)
+    if causal:
+        i = torch.arange(sq)[:, None] + (sk - sq)
+        s = s.masked_fill(torch.arange(sk)[None, :] > i, -math.inf)
+    lse = torch.logsumexp(s, -1)
+    probs = torch.softmax(s, -1) * keep / (1 - p)
+    return torch.einsum("bhqk,bkhd->bqhd", probs, vv), lse
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attn_dropout_is_reproducible_and_exact(causal):
+    g = torch.Generator().manual_seed(0)
+    mk = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).requires_grad_()  # noqa: E731
+    q, k, v = mk(2, 150, 4, 16), mk(2, 200, 2, 16), mk(2, 200, 2, 16)
+    p = 0.2
+    torch.manual_seed(42)
+    seed, offset = dropout.draw_seed(torch.device("cpu"))  # what the call will draw
+    torch.manual_seed(42)
+    out, lse = flash_attn4.attn(q, k, v, causal=causal, dropout_p=p, return_lse=True)
+    torch.manual_seed(42)
+    again = flash_attn4.attn(q, k, v, causal=causal, dropout_p=p)
+    assert torch.equal(out, again)
+    assert not torch.equal(out, flash_attn4.attn(q, k, v, causal=causal, dropout_p=p))  # the next draw
+    keep = dropout.keep_mask(seed, offset, p, 2, 4, torch.arange(150), torch.arange(200))
+    want = dense_dropout(q, k, v, keep, p, causal)
+    torch.testing.assert_close((out, lse), want, atol=1e-10, rtol=1e-10)
+    go = torch.randn_like(out)
+    got = torch.autograd.grad((out * go).sum(), (q, k, v))
+    ref = torch.autograd.grad((want[0] * go).sum(), (q, k, v))
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
+
+
+def test_varlen_dropout_counts_sequences_as_batches():
+    lens_q, lens_k = [5, 0, 11], [9, 4, 11]
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(sum(lens_q), 4, 16, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(sum(lens_k), 2, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)  # noqa: E731
+    torch.manual_seed(5)
+    seed, offset = dropout.draw_seed(torch.device("cpu"))
+    torch.manual_seed(5)
+    out = compat.flash_attn_varlen_func(q, k, v, cu(lens_q), cu(lens_k), 11, 11, 0.25, None, True)
+    oq = ok = 0
+    for b, (lq, lk) in enumerate(zip(lens_q, lens_k)):
+        if lq:
+            keep = dropout.keep_mask(
+                seed, offset, 0.25, 1, 4, torch.arange(lq), torch.arange(lk), batch_start=b
+            )
+            want, _ = dense_dropout(
+                q[None, oq : oq + lq], k[None, ok : ok + lk], v[None, ok : ok + lk], keep, 0.25, True
+            )
+            torch.testing.assert_close(out[oq : oq + lq], want[0], atol=1e-10, rtol=1e-10)
+        oq, ok = oq + lq, ok + lk
+
+
+def test_bad_dropout_is_a_clear_error():
+    q = torch.randn(1, 4, 2, 8)
+    for p in (1.0, -0.1, True, "0.1"):
+        with pytest.raises(ValueError, match="dropout_p"):
+            flash_attn4.attn(q, q, q, dropout_p=p)
