@@ -196,8 +196,8 @@ def _warn_reference(q: Tensor, **options: Any) -> None:
     if q.is_cuda:
         names = " and ".join(n for n, x in options.items() if x is not None and x is not False)
         _ops._warn_once(
-            f"flash_attn4: no CUDA kernel takes {names} yet; the PyTorch reference runs (correct, at most "
-            "dense speed)"
+            f"flash_attn4: no CUDA kernel takes {names} yet; the PyTorch reference runs (correct, but at "
+            "most dense speed, and with gradients it keeps seqlen_q x seqlen_k probabilities per head)"
         )
 
 
