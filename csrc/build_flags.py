@@ -10,9 +10,24 @@ CUTLASS_PIN = "nvidia-cutlass==4.2.0.0"
 
 # sm_90a (not sm_90): wgmma and setmaxnreg exist only in the arch-specific target.
 GENCODE_SM90A = "-gencode=arch=compute_90a,code=sm_90a"
-# The sm80 path (cp.async + mma.sync) runs on every GPU from Ampere on; sm_80 SASS also runs on sm_86/89.
-GENCODE_SM80 = "-gencode=arch=compute_80,code=sm_80"
-GENCODES = {80: GENCODE_SM80, 90: GENCODE_SM90A}
+# The Ampere-path kernels (cp.async + mma.sync) run on every GPU from Ampere on: these are the targets they
+# are compiled for as SASS (A100, RTX 30, Jetson Orin, RTX 40, RTX 50 / sm_120); SASS also runs on later
+# minor versions of its major (sm_80 code on an sm_86 card), and the PTX of the lowest target is embedded
+# too, so a GPU newer than every target JIT-compiles it.
+AMPERE_FAMILY = (80, 86, 87, 89, 120)
+
+
+def gencode(arch: int) -> str:
+    return GENCODE_SM90A if arch == 90 else f"-gencode=arch=compute_{arch},code=sm_{arch}"
+
+
+def gencodes(targets) -> list[str]:
+    """nvcc -gencode flags for these targets (90 = sm_90a), plus the PTX of the lowest Ampere-family one."""
+    flags = [gencode(a) for a in sorted(set(targets))]
+    ampere = sorted(a for a in targets if a in AMPERE_FAMILY)
+    if ampere:
+        flags.append(f"-gencode=arch=compute_{ampere[0]},code=compute_{ampere[0]}")
+    return flags
 
 NVCC_FLAGS = [
     "-O3",

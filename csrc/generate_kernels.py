@@ -12,8 +12,15 @@ import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
-ARCHS = (90,)  # the default build; 80 (the Ampere path) is opt-in, FLASH_ATTN4_ARCHS
-SUPPORTED_ARCHS = (80, 90)
+ARCHS = (90,)  # kernel families when called without arguments; setup.py picks the build's targets
+# Build targets (FLASH_ATTN4_ARCHS): 90 = the sm_90a kernels; every other one builds the Ampere-path family
+# ("80": cp.async + mma.sync) as SASS for that target (csrc/build_flags.py, AMPERE_FAMILY).
+SUPPORTED_ARCHS = (80, 86, 87, 89, 90, 120)
+
+
+def families(targets) -> tuple[int, ...]:
+    """The kernel families (90, 80) that build targets ask for."""
+    return tuple(sorted({90 if a == 90 else 80 for a in targets}))
 DTYPES = ("bf16", "fp16")
 HDIMS = (64, 96, 128, 192, 256)
 # (causal, local) mask variants: none, causal, sliding window (which also serves causal + left window).
@@ -96,12 +103,11 @@ def decode_kernels(dtypes=DTYPES, hdims=HDIMS) -> list[DecodeKernel]:
 
 
 def kernels(archs=ARCHS, dtypes=DTYPES, hdims=HDIMS) -> list[Kernel]:
-    """Every (direction, arch, dtype, head dim, mask): each built family has both directions of every mask, so
-    the Python side can take one kernel family for a whole call (flash_attn4/_build_info.py)."""
-    return [
-        Kernel(direction, a, d, h, c, lo)
-        for direction, a, d, h, (c, lo) in itertools.product(DIRECTIONS, archs, dtypes, hdims, MASKS)
-    ]
+    """Every (direction, family, dtype, head dim, mask) of the families `archs` (build targets) ask for: each
+    built family has both directions of every mask, so the Python side can take one kernel family for a
+    whole call (flash_attn4/_build_info.py)."""
+    combos = itertools.product(DIRECTIONS, families(archs), dtypes, hdims, MASKS)
+    return [Kernel(direction, a, d, h, c, lo) for direction, a, d, h, (c, lo) in combos]
 
 
 def _table(direction: str, ks: list[Kernel]) -> str:

@@ -33,7 +33,8 @@ def report_environment() -> None:
     _section("build")
     if _build_info.BUILT:
         print(
-            f"CUDA kernels compiled for {_build_info.ARCHS}, dtypes {_build_info.DTYPES}, "
+            f"CUDA kernels: families {_build_info.ARCHS}, targets {_build_info.TARGETS}, "
+            f"dtypes {_build_info.DTYPES}, "
             f"head dims {_build_info.HDIMS}, against torch {_build_info.TORCH_VERSION}"
         )
     else:
@@ -92,7 +93,16 @@ def explain_path(shape: tuple[int, ...], dtype: torch.dtype, causal: bool) -> No
     if arch is not None:
         padded = _build_info.padded_hdim(d)
         pad = f" (head dim zero-padded to {padded})" if padded != d else ""
-        print(f"forward and backward: the sm{arch} CUDA kernels on {device}{pad}")
+        major, minor = torch.cuda.get_device_capability(device)
+        why_arch = (
+            "compute capability 9.0 runs the Hopper kernels"
+            if arch == 90
+            else "FLASH_ATTN4_FORCE_SM80=1"
+            if (major, minor) == (9, 0) and _build_info.force_sm80()
+            else f"compute capability {major}.{minor} runs the Ampere-path kernels"
+        )
+        binary = "sm_90a SASS" if arch == 90 else _build_info.binary_for(major, minor)
+        print(f"forward and backward: the sm{arch} CUDA kernels on {device}{pad} ({why_arch}; {binary})")
         print("sliding windows, softcap, attn_varlen: on the same kernels")
     else:
         print(f"forward and backward: the PyTorch reference on {device}, because {why}")

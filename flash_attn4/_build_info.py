@@ -1,7 +1,8 @@
 """What was compiled, and whether a CUDA kernel can serve a given call.
 
 `setup.py` writes `flash_attn4/_build_config.py` (git-ignored) next to this file. It defines exactly
-`BUILT`, `REASON`, `ARCHS`, `DTYPES`, `HDIMS`, `TORCH_VERSION` and `CUDA_VERSION`. When the file is
+`BUILT`, `REASON`, `ARCHS` (kernel families), `TARGETS` (the GPUs compiled for), `DTYPES`, `HDIMS`,
+`TORCH_VERSION` and `CUDA_VERSION`. When the file is
 missing (a source checkout that was never built, or an install without CUDA) every query answers
 "not built" and the Python package runs on the PyTorch reference alone.
 """
@@ -25,6 +26,10 @@ REASON: str = str(
     getattr(_cfg, "REASON", "no flash_attn4/_build_config.py: the CUDA extension was never built")
 )
 ARCHS: tuple[str, ...] = tuple(getattr(_cfg, "ARCHS", ()))
+# Build targets (compute capability x 10; 90 = sm_90a). Older configs wrote families only: sm80 meant 80.
+TARGETS: tuple[int, ...] = tuple(
+    getattr(_cfg, "TARGETS", (80,) * ("sm80" in ARCHS) + (90,) * ("sm90" in ARCHS))
+)
 DTYPES: tuple[str, ...] = tuple(getattr(_cfg, "DTYPES", ()))
 HDIMS: tuple[int, ...] = tuple(sorted(int(h) for h in getattr(_cfg, "HDIMS", ())))
 TORCH_VERSION: str = str(getattr(_cfg, "TORCH_VERSION", ""))
@@ -96,6 +101,13 @@ def kernel_arch(device: torch.device) -> tuple[int | None, str]:
     if major == 9 and minor == 0 and not force_sm80() and "sm90" in ARCHS:
         return 90, ""
     if major >= 8 and "sm80" in ARCHS:
+        ampere = [t for t in TARGETS if t != 90]
+        if ampere and 10 * major + minor < min(ampere):
+            return None, (
+                f"the Ampere-path kernels were built for sm_{min(ampere)} and up, and cuda:{index} is "
+                f"sm_{major}{minor}; rebuild with FLASH_ATTN4_ARCHS including {10 * major + minor}: "
+                + _REBUILD_HINT
+            )
         return 80, ""
     if major >= 8:
         want = "sm90" if major == 9 and not force_sm80() else "sm80"
@@ -108,6 +120,19 @@ def kernel_arch(device: torch.device) -> tuple[int | None, str]:
         f"flash_attn4's CUDA kernels need compute capability 8.0 or newer; cuda:{index} is sm{major}{minor}; "
         "the PyTorch reference runs instead"
     )
+
+
+def binary_for(major: int, minor: int) -> str:
+    """How a device runs the Ampere-path kernels of this build: its own SASS, SASS of an earlier minor
+    version of its major, or the embedded PTX compiled at load time."""
+    cc = 10 * major + minor
+    ampere = sorted(t for t in TARGETS if t != 90)
+    if cc == 90 and 90 in TARGETS:
+        return "sm_90a SASS"
+    same = [t for t in ampere if t // 10 == major and t <= cc]
+    if same:
+        return f"sm_{max(same)} SASS"
+    return f"compute_{ampere[0]} PTX, compiled for sm_{cc} when first loaded" if ampere else "no binary"
 
 
 def kernel_available(device: torch.device, dtype: torch.dtype, hdim: int) -> tuple[int | None, str]:

@@ -474,12 +474,35 @@ def test_kernel_plan_features(fake_ext, kw, kernel_causal, kernel_window):
 def test_kernel_arch_dispatch(monkeypatch, capability, archs, force, want):
     monkeypatch.setattr(_build_info, "_capability", lambda index: capability)
     monkeypatch.setattr(_build_info, "ARCHS", archs)
+    monkeypatch.setattr(_build_info, "TARGETS", (80, 90) if "sm80" in archs else (90,))
     monkeypatch.setenv("FLASH_ATTN4_FORCE_SM80", "1" if force else "0")
     arch, why = _build_info.kernel_arch(torch.device("cuda", 0))
     assert arch == want
     assert (why == "") == (want is not None)
     if want is None and capability[0] >= 8:
         assert "rebuild" in why or "pip install" in why
+
+
+@pytest.mark.parametrize(
+    "capability, targets, want, binary",
+    [
+        ((8, 6), (86, 120), 80, "sm_86 SASS"),
+        ((8, 9), (86,), 80, "sm_86 SASS"),  # SASS of an earlier minor version of the same major
+        ((12, 0), (80, 120), 80, "sm_120 SASS"),
+        ((12, 1), (80,), 80, "compute_80 PTX"),  # no SASS for its major: the PTX, compiled at load time
+        ((8, 0), (86,), None, ""),  # below every target: a rebuild is needed
+    ],
+)
+def test_consumer_gpus_run_the_ampere_path(monkeypatch, capability, targets, want, binary):
+    monkeypatch.setattr(_build_info, "_capability", lambda index: capability)
+    monkeypatch.setattr(_build_info, "ARCHS", ("sm80",))
+    monkeypatch.setattr(_build_info, "TARGETS", targets)
+    arch, why = _build_info.kernel_arch(torch.device("cuda", 0))
+    assert arch == want
+    if want is None:
+        assert "FLASH_ATTN4_ARCHS including 80" in why
+    else:
+        assert _build_info.binary_for(*capability).startswith(binary)
 
 
 @pytest.mark.parametrize("num_splits", [0, 3])

@@ -170,3 +170,51 @@ def test_import_warning_can_be_filtered_before_import():
     )
     proc = _python(code)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr
+
+
+# --- build targets -----------------------------------------------------------------------------------------
+
+
+def test_build_targets_from_the_environment(setup_module):
+    assert setup_module.parse_targets(["90", "sm_86", "SM120", "80"]) == [80, 86, 90, 120]
+    with pytest.raises(SystemExit, match="not a build target"):
+        setup_module.parse_targets(["ampere"])
+
+
+@pytest.mark.parametrize(
+    "caps, want",
+    [
+        ([], [80, 90]),  # no GPU: both families
+        ([(9, 0)], [90]),
+        ([(8, 0), (8, 6)], [80, 86]),
+        ([(8, 9), (12, 0)], [89, 120]),
+        ([(12, 1)], [120]),  # sm_121: sm_120 SASS runs on it
+        ([(10, 0)], [80]),  # a GPU with no listed target: the sm_80 PTX
+    ],
+)
+def test_default_targets_follow_the_gpus_found(setup_module, monkeypatch, caps, want):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(caps))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: caps[i])
+    targets, line = setup_module.default_targets()
+    assert targets == want and ("no GPU" in line) == (not caps)
+
+
+def test_gencodes_and_families():
+    sys.path.insert(0, str(ROOT / "csrc"))
+    try:
+        import build_flags
+        import generate_kernels
+    finally:
+        sys.path.remove(str(ROOT / "csrc"))
+    flags = build_flags.gencodes([120, 86, 90])
+    assert flags == [
+        "-gencode=arch=compute_86,code=sm_86",
+        "-gencode=arch=compute_90a,code=sm_90a",
+        "-gencode=arch=compute_120,code=sm_120",
+        "-gencode=arch=compute_86,code=compute_86",  # PTX of the lowest Ampere-path target
+    ]
+    assert build_flags.gencodes([90]) == ["-gencode=arch=compute_90a,code=sm_90a"]
+    assert generate_kernels.families([86, 120]) == (80,) and generate_kernels.families([80, 90]) == (80, 90)
+    assert {k.arch for k in generate_kernels.kernels(archs=[89], hdims=[64], dtypes=["bf16"])} == {80}

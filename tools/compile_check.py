@@ -41,7 +41,7 @@ def compile_one(
     cmd = [
         nvcc,
         *build_flags.NVCC_FLAGS,
-        *(build_flags.GENCODES[a] for a in sorted({arch, *sass_archs})),
+        *(build_flags.gencode(a) for a in sorted({arch, *sass_archs})),
         *[f"-I{p}" for p in build_flags.include_dirs()],
         "-Xptxas=-v",
         "-c",
@@ -68,6 +68,11 @@ def main() -> int:
     ap.add_argument(
         "--also-sm90", action="store_true", help="sm80 kernels: add the sm_90a code the build runs on Hopper"
     )
+    ap.add_argument(
+        "--target", type=int, default=80, choices=build_flags.AMPERE_FAMILY,
+        help="the SASS target of the Ampere-path (80) and decode kernels: 86 / 89 (RTX 30 / 40), 87 (Jetson "
+        "Orin), 120 (RTX 50)",
+    )  # fmt: skip
     args = ap.parse_args()
     mask = "causal" if args.causal else args.mask
     causal, local = mask == "causal", mask == "local"
@@ -75,13 +80,18 @@ def main() -> int:
     nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
     wanted = set((args.only or "fwd90,bwd90,fwd80,bwd80,decode,decode_paged").split(","))
     # (kernel, arch, spill-budget key); the decode family compiles for sm_80 (and sm_90a with --also-sm90).
+    # The sm90 family compiles for sm_90a, the Ampere-path and decode families for --target.
     kernels = [
-        (k, k.arch, (k.direction, k.arch))
+        (k, 90 if k.arch == 90 else args.target, (k.direction, k.arch))
         for name in ("fwd90", "bwd90", "fwd80", "bwd80")
         if name in wanted
         for k in [generate_kernels.Kernel(name[:3], int(name[3:]), args.dtype, args.hdim, causal, local)]
     ] + [
-        (generate_kernels.DecodeKernel(args.dtype, args.hdim, name == "decode_paged"), 80, ("decode", 80))
+        (
+            generate_kernels.DecodeKernel(args.dtype, args.hdim, name == "decode_paged"),
+            args.target,
+            ("decode", 80),
+        )
         for name in ("decode", "decode_paged")
         if name in wanted
     ]

@@ -10,7 +10,9 @@ namespace flash4 {
 template <class Kernel>
 __global__ void __launch_bounds__(Kernel::kNumThreads, 1)
     kernel_entry_sm90(CUTE_GRID_CONSTANT typename Kernel::Params const params) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// The body exists only in the sm_90a pass: wgmma, setmaxnreg and TMA multicast are sm_90a features, and a
+// build that also targets consumer GPUs (sm_120 has no wgmma) compiles this file for them too.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
   extern __shared__ char smem[];
   Kernel{}(params, smem);
 #endif
