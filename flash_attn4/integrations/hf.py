@@ -72,18 +72,23 @@ def _filled_length(keep: Tensor) -> Tensor:
 
 class _PerForward:
     """f(t) memoized on the tensor t itself (its identity and version): transformers hands every layer of one
-    forward the same mask and position_ids tensors, so what is derived from them (a few tiny kernels, or a
-    host synchronisation) is computed by the first layer only. Traced (compiled) calls are not memoized."""
+    forward the same mask and position_ids tensors (models with sliding and full layers alternate between
+    two masks), so what is derived from them (a few tiny kernels, or a host synchronisation) is computed by
+    the first layer that sees each. Traced (compiled) calls are not memoized."""
+
+    SLOTS = 4
 
     def __init__(self, f):
-        self.f, self.key, self.value = f, None, None
+        self.f, self.entries = f, []  # [(weakref to t, t's version, f(t))], newest last
 
     def __call__(self, t: Tensor):
-        if self.key is not None and self.key[0]() is t and self.key[1] == t._version:
-            return self.value
+        for ref, version, value in self.entries:
+            if ref() is t and version == t._version:
+                return value
         value = self.f(t)
         if not _is_compiling():
-            self.key, self.value = (weakref.ref(t), t._version), value
+            self.entries = [e for e in self.entries if e[0]() is not None][-(self.SLOTS - 1) :]
+            self.entries.append((weakref.ref(t), t._version, value))
         return value
 
 
