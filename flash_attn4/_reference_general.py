@@ -81,24 +81,35 @@ def general_attention_ref(
 def general_varlen_ref(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *, seqused_q=None,
     seqused_k=None, causal: bool, softmax_scale: float, window_size: tuple[int, int], softcap: float,
-    dropout_p: float = 0.0, dropout_seed: tuple[int, int] = (0, 0),
+    block_mask: BlockMask | None = None, alibi_slopes: Tensor | None = None, dropout_p: float = 0.0,
+    dropout_seed: tuple[int, int] = (0, 0),
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """The packed form: sequence b is `general_attention_ref` of its rows with dropout batch index b (the
-    offsets are read on the host). out (total_q, hq, d), lse (hq, total_q); rows outside every sequence get
-    out = 0, lse = -inf."""
+    """The packed form: sequence b is `general_attention_ref` of its rows, with dropout batch index b, ALiBi
+    slopes alibi_slopes[b] when they are per sequence, and the top-left corner of block_mask's batch entry
+    b (or its only one) as its block mask; the offsets are read on the host. out (total_q, hq, d), lse
+    (hq, total_q); rows outside every sequence get out = 0, lse = -inf."""
     from flash_attn4.reference import _varlen_segments
 
     total_q, hq, _ = q.shape
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = q.new_zeros(total_q, hq, v.shape[-1])
     lse = torch.full((hq, total_q), -math.inf, dtype=cdt, device=q.device)
+    if block_mask is not None:
+        partial, full = block_mask.to_dense()
     for b, (q0, nq, k0, nk) in enumerate(_varlen_segments(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)):
-        if nq == 0:
-            continue
+        if nq == 0 or nk == 0:
+            continue  # out 0, lse -inf: no key to see
+        seq_mask = None
+        if block_mask is not None:
+            blk, i = block_mask.block_size, min(b, partial.shape[0] - 1)
+            rows_b, cols_b = math.ceil(nq / blk), math.ceil(nk / blk)
+            p_b, f_b = partial[i : i + 1, :, :rows_b, :cols_b], full[i : i + 1, :, :rows_b, :cols_b]
+            seq_mask = BlockMask.from_dense(p_b | f_b, nq, nk, full=f_b, block_size=blk)
+        slopes = alibi_slopes[b] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
         o, l_ = general_attention_ref(
             q[None, q0:q0 + nq], k[None, k0:k0 + nk], v[None, k0:k0 + nk], causal=causal,
-            softmax_scale=softmax_scale, window_size=window_size, softcap=softcap, dropout_p=dropout_p,
-            dropout_seed=dropout_seed, dropout_batch=b,
+            softmax_scale=softmax_scale, window_size=window_size, softcap=softcap, block_mask=seq_mask,
+            alibi_slopes=slopes, dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_batch=b,
         )  # fmt: skip
         rows = torch.arange(q0, q0 + nq, device=q.device)
         out = out.index_copy(0, rows, o[0])

@@ -373,6 +373,8 @@ def attn_varlen(
     sinks: Tensor | None = None,
     num_splits: int = 0,
     dropout_p: float = 0.0,
+    block_mask: Any = None,
+    alibi_slopes: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Exact attention over a packed batch of variable-length sequences (no padding).
 
@@ -390,6 +392,9 @@ def attn_varlen(
             `attn`, per sequence (masks aligned to the bottom-right corner of each sequence; dropout counts
             sequence b as batch index b); short query blocks (max_seqlen_q x GQA group <= 64: decoding
             many sequences) run the split-KV decode kernel.
+        block_mask: optional BlockMask built for (max_seqlen_q, max_seqlen_k), batch 1 or one entry per
+            sequence: sequence b uses the top-left corner of its entry that its lengths cover.
+        alibi_slopes: optional (nheads_q,) or (batch, nheads_q), as for `attn`, per sequence.
 
     Returns:
         out: (total_q, nheads_q, headdim); with return_lse also lse: (nheads_q, total_q) float32.
@@ -410,15 +415,36 @@ def attn_varlen(
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise TypeError(f"num_splits must be an int >= 0 (0 = choose, 1 = no split), got {num_splits!r}")
     dropout_p = _validate_dropout(dropout_p)
-    if dropout_p > 0:
+    batch = cu_seqlens_q.numel() - 1
+    if block_mask is not None:
+        from flash_attn4.block_mask import BlockMask
+
+        if not isinstance(block_mask, BlockMask):
+            raise TypeError(f"block_mask must be a flash_attn4.BlockMask, got {type(block_mask).__name__}")
+        if (
+            (block_mask.seqlen_q, block_mask.seqlen_k) != (max_seqlen_q, max_seqlen_k)
+            or block_mask.shape[0] not in (1, batch)
+            or block_mask.shape[1] not in (1, q.shape[1])
+        ):
+            raise ValueError(
+                f"attn_varlen's block_mask must be built for (max_seqlen_q, max_seqlen_k) = "
+                f"({max_seqlen_q}, {max_seqlen_k}) with batch 1 or {batch} and heads 1 or {q.shape[1]}; got "
+                f"({block_mask.seqlen_q}, {block_mask.seqlen_k}), {block_mask.shape}"
+            )
+        if block_mask.kv_count.device != q.device:
+            raise ValueError(f"block_mask is on {block_mask.kv_count.device}, q on {q.device}")
+    if alibi_slopes is not None:
+        _validate_alibi(alibi_slopes, q.new_empty(batch, 1, q.shape[1], 1))
+    if dropout_p > 0 or block_mask is not None or alibi_slopes is not None:
         from flash_attn4._reference_general import general_varlen_ref
         from flash_attn4.dropout import draw_seed
 
-        _warn_reference(q, dropout_p=True)
+        _warn_reference(q, dropout_p=dropout_p > 0 or None, block_mask=block_mask, alibi_slopes=alibi_slopes)
         out, lse = general_varlen_ref(
             q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k, causal=causal,
-            softmax_scale=softmax_scale, window_size=(left, right), softcap=softcap, dropout_p=dropout_p,
-            dropout_seed=draw_seed(q.device),
+            softmax_scale=softmax_scale, window_size=(left, right), softcap=softcap, block_mask=block_mask,
+            alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+            dropout_seed=draw_seed(q.device) if dropout_p > 0 else (0, 0),
         )  # fmt: skip
         if sinks is not None:
             out, lse = _with_sinks(out, lse, sinks, head_dim=0)

@@ -190,3 +190,29 @@ def test_estimator_keeps_the_threshold_on_random_inputs(causal):
     assert ((partial | full).sum(-1) <= 3).all()  # half of 6 visible blocks at most, rounded up
     out = flash_attn4.attn(q, k, k, causal=causal, block_mask=mask)
     assert torch.isfinite(out).all()
+
+
+def test_varlen_block_mask_and_alibi_equal_each_sequence_alone():
+    """attn_varlen with a per-sequence block mask (built for the max lengths) and per-sequence ALiBi slopes:
+    sequence b equals attn on its rows with the top-left corner of its mask entry."""
+    lens_q, lens_k = [130, 0, 300], [200, 40, 300]
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(sum(lens_q), 4, 16, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(sum(lens_k), 2, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)  # noqa: E731
+    blocks = _random_blocks((3, 4, 3, 3), 0.6, seed=2)
+    mask = BlockMask.from_dense(blocks, 300, 300)
+    slopes = torch.rand(3, 4, generator=g, dtype=torch.float64)
+    out = flash_attn4.attn_varlen(q, k, v, cu(lens_q), cu(lens_k), 300, 300, causal=True, block_mask=mask,
+                                  alibi_slopes=slopes)  # fmt: skip
+    oq = ok = 0
+    for b, (lq, lk) in enumerate(zip(lens_q, lens_k)):
+        if lq:
+            nq, nk = math.ceil(lq / BLK), math.ceil(lk / BLK)
+            own = BlockMask.from_dense(blocks[b : b + 1, :, :nq, :nk], lq, lk)
+            qb, kb, vb = q[None, oq : oq + lq], k[None, ok : ok + lk], v[None, ok : ok + lk]
+            want = flash_attn4.attn(qb, kb, vb, causal=True, block_mask=own, alibi_slopes=slopes[b])
+            torch.testing.assert_close(out[oq : oq + lq], want[0], atol=1e-12, rtol=1e-12)
+        oq, ok = oq + lq, ok + lk
+    with pytest.raises(ValueError, match="max_seqlen_q, max_seqlen_k"):
+        flash_attn4.attn_varlen(q, k, v, cu(lens_q), cu(lens_k), 256, 300, block_mask=mask)
