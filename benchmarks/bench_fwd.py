@@ -5,6 +5,7 @@
     python3 benchmarks/bench_fwd.py --quick        # hdim 64/128/256 x seqlen 4096/8192 x causal both,
                                                    # into <gpu>_{fwd,bwd}_quick.json/.png
     python3 benchmarks/bench_fwd.py --hdims 128 --seqlens 8192 --causal 1 --impls flash_attn4,sdpa_cudnn
+    python3 benchmarks/bench_fwd.py --hdims 128 --seqlens 8192 --impls flash_attn4,flash_attn4_sinks --out x.json
 
 Shapes follow the FlashAttention papers: batch * seqlen = 16384 tokens, nheads * headdim = 2048, q/k/v of
 equal shape, random normal inputs. Forward FLOPs = 4 * b * h * s^2 * d, halved when causal; backward
@@ -32,6 +33,7 @@ import torch
 from plot import format_table, plot_records  # benchmarks/ is on sys.path when run as a script
 
 IMPLS = ["flash_attn4", "fa4_cute", "sdpa_cudnn", "sdpa_flash"]
+OPTIONAL_IMPLS = ["flash_attn4_sinks"]  # only when asked for: what an option costs beside the plain kernels
 HDIMS = [64, 128, 256]
 SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
 TOKENS, WIDTH = 16384, 2048  # batch * seqlen, nheads * hdim
@@ -49,7 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seqlens", type=_ints, default=SEQLENS, help="comma list (default 512..16384)")
     ap.add_argument("--causal", choices=["0", "1", "both"], default="both")
     ap.add_argument("--quick", action="store_true", help="hdim 64/128/256 x seqlen 4096/8192 x causal both")
-    ap.add_argument("--impls", default=",".join(IMPLS), help=f"comma list from {','.join(IMPLS)}")
+    ap.add_argument(
+        "--impls", default=",".join(IMPLS), help=f"comma list from {','.join(IMPLS + OPTIONAL_IMPLS)}"
+    )
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--bwd", action="store_true", help="time the backward instead of the forward")
     ap.add_argument("--deterministic", action="store_true", help="flash_attn4 with deterministic=True")
@@ -64,9 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.hdims, args.seqlens, args.causal = HDIMS, [4096, 8192], "both"
     args.impls = [i.strip() for i in args.impls.split(",") if i.strip()]
-    unknown = sorted(set(args.impls) - set(IMPLS))
+    unknown = sorted(set(args.impls) - set(IMPLS) - set(OPTIONAL_IMPLS))
     if unknown:
-        ap.error(f"unknown impls {unknown}; choose from {IMPLS}")
+        ap.error(f"unknown impls {unknown}; choose from {IMPLS + OPTIONAL_IMPLS}")
     return args
 
 
@@ -154,6 +158,12 @@ def make_impl(name: str, q, k, v, causal: bool, bwd: bool = False, deterministic
             raise RuntimeError(f"kernel unavailable: {why}")
         fwd = lambda q, k, v: attn(q, k, v, causal=causal, deterministic=deterministic)  # noqa: E731
         layout, ctx = (lambda t: t), contextlib.nullcontext
+    elif name == "flash_attn4_sinks":  # the plain kernels plus GPT-OSS's sinks (their cost beside the above)
+        from flash_attn4 import attn
+
+        sinks = torch.randn(q.shape[2], device=q.device, requires_grad=bwd)
+        fwd = lambda q, k, v: attn(q, k, v, causal=causal, deterministic=deterministic, sinks=sinks)  # noqa: E731
+        layout, ctx = (lambda t: t), contextlib.nullcontext
     elif name == "fa4_cute":
         from flash_attn.cute import flash_attn_func
 
@@ -185,7 +195,7 @@ def available_impls(requested: list[str]) -> list[str]:
     keep = []
     for name in requested:
         why = ""
-        if name == "flash_attn4":
+        if name in ("flash_attn4", "flash_attn4_sinks"):
             from flash_attn4 import _build_info
 
             ext, why = _build_info.load_extension()
