@@ -5,7 +5,7 @@
     python3 benchmarks/bench_fwd.py --quick        # hdim 64/128/256 x seqlen 4096/8192 x causal both,
                                                    # into <gpu>_{fwd,bwd}_quick.json/.png
     python3 benchmarks/bench_fwd.py --hdims 128 --seqlens 8192 --causal 1 --impls flash_attn4,sdpa_cudnn
-    python3 benchmarks/bench_fwd.py --hdims 128 --seqlens 8192 --impls flash_attn4,flash_attn4_sinks --out x.json
+    python3 benchmarks/bench_fwd.py --seqlens 8192 --impls flash_attn4,flash_attn4_sinks --out sinks.json
 
 Shapes follow the FlashAttention papers: batch * seqlen = 16384 tokens, nheads * headdim = 2048, q/k/v of
 equal shape, random normal inputs. Forward FLOPs = 4 * b * h * s^2 * d, halved when causal; backward
