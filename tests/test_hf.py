@@ -126,6 +126,15 @@ def test_mask_function_keeps_decoding_free_of_host_syncs():
     assert hf.mask_function(2, 300, 300, attention_mask=ones) is None
     assert hf.mask_function(2, 300, 300, attention_mask=None) is None
     assert hf.mask_function(2, 1, 4, attention_mask=ones).shape == (2, 4)  # a sliding window: the last 4
+    # transformers 4.53 .. 4.5x call it with cache_position (one entry per query) instead of q_length.
+    assert (
+        hf.mask_function(batch_size=2, cache_position=torch.arange(300), kv_length=300, attention_mask=ones)
+        is None
+    )
+    assert (
+        hf.mask_function(batch_size=2, cache_position=torch.arange(1), kv_length=300, attention_mask=ones)
+        is not None
+    )
 
 
 def test_lengths_and_packing_are_derived_once_per_forward():

@@ -39,7 +39,7 @@ def _is_compiling() -> bool:
 
 
 def mask_function(
-    batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+    batch_size: int, q_length: int | None = None, kv_length: int = 0, q_offset: int = 0, kv_offset: int = 0,
     mask_function: Any = None, attention_mask: Tensor | None = None, **kwargs: Any,
 ) -> Tensor | None:  # fmt: skip
     """The mask transformers (>= 4.53) builds for us once per forward: the 2-D padding mask (batch,
@@ -56,6 +56,8 @@ def mask_function(
     """
     if attention_mask is None:
         return None
+    if q_length is None:  # transformers < 5 passes cache_position (one entry per query) instead
+        q_length = int(kwargs["cache_position"].shape[0])
     mask = attention_mask[:, -kv_length:].bool()
     if mask.shape[1] < kv_length:
         mask = torch.nn.functional.pad(mask, (0, kv_length - mask.shape[1]), value=False)
