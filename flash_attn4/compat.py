@@ -6,8 +6,8 @@ a call site switches with its import alone.
 Where FlashAttention-2 returns `(out, softmax_lse, S_dmask)` for `return_attn_probs=True`, these return the
 same triple with `S_dmask = None`, as FlashAttention-2 itself does without dropout: the attention
 probabilities are never materialized, so `return_attn_probs=True` with `dropout_p > 0` raises. Options not
-implemented yet (`alibi_slopes` outside flash_attn_func and its packed forms, the varlen function's
-`block_table`) raise a `NotImplementedError` that says so, instead of computing something else. Unlike
+implemented yet (`alibi_slopes` in flash_attn_with_kvcache, the varlen function's `block_table`) raise a
+`NotImplementedError` that says so, instead of computing something else. Unlike
 FlashAttention-2, CPU tensors work (on the PyTorch reference), as everywhere in flash_attn4.
 """
 
@@ -130,7 +130,7 @@ def flash_attn_varlen_func(
 ):
     """Packed q (total_q, nheads, d), k / v (total_k, nheads_k, d) with int32 cu_seqlens -> out like q; with
     return_attn_probs also softmax_lse (nheads, total_q) and None. See `flash_attn4.attn_varlen`."""
-    _unsupported(dropout_p, alibi_slopes, "the varlen functions", return_attn_probs)
+    _unsupported(dropout_p, probs=return_attn_probs)
     if block_table is not None:
         raise NotImplementedError(
             "flash_attn4's varlen attention takes contiguous packed k / v, not a paged cache (block_table); "
@@ -139,7 +139,7 @@ def flash_attn_varlen_func(
     res = attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                       causal=causal, softmax_scale=softmax_scale, window_size=_window(window_size),
                       softcap=softcap, deterministic=deterministic, dropout_p=dropout_p,
-                      return_lse=True)  # fmt: skip
+                      alibi_slopes=alibi_slopes, return_lse=True)  # fmt: skip
     return _result(res, return_attn_probs)
 
 

@@ -151,4 +151,9 @@ def test_what_is_not_implemented_says_so():
     with pytest.raises(NotImplementedError, match="block_table"):
         compat.flash_attn_varlen_func(qp, kp, vp, cu_q, cu_k, mq, mk, block_table=torch.zeros(3, 1))
     with pytest.raises(NotImplementedError, match="alibi_slopes"):
-        compat.flash_attn_varlen_func(qp, kp, vp, cu_q, cu_k, mq, mk, alibi_slopes=torch.ones(4))
+        compat.flash_attn_with_kvcache(q, k, v, cache_seqlens=10, alibi_slopes=torch.ones(4))
+    slopes = torch.rand(4)
+    torch.testing.assert_close(
+        compat.flash_attn_varlen_func(qp, kp, vp, cu_q, cu_k, mq, mk, causal=True, alibi_slopes=slopes),
+        flash_attn4.attn_varlen(qp, kp, vp, cu_q, cu_k, mq, mk, causal=True, alibi_slopes=slopes),
+    )
