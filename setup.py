@@ -196,7 +196,8 @@ def cuda_extension(archs: list[int], dtypes: list[str], hdims: list[int]):
     log(f"compiling {len(kernels)} kernel instantiations: archs={archs} dtypes={dtypes} hdims={hdims}")
     return CUDAExtension(
         name="flash_attn4._C",
-        sources=[str(ROOT / "csrc" / "flash_api.cpp"), str(ROOT / "csrc" / "decode_api.cpp"), *map(str, sources)],
+        sources=[str(ROOT / "csrc" / "flash_api.cpp"), str(ROOT / "csrc" / "decode_api.cpp")]
+        + [str(s) for s in sources],
         include_dirs=[str(p) for p in build_flags.include_dirs()],
         extra_compile_args={
             "cxx": ["-O3"],  # the C++ standard is torch's choice (C++20 for torch >= 2.13)
@@ -213,10 +214,10 @@ def main() -> None:
     dtypes = env_list("FLASH_ATTN4_DTYPES", generate_kernels.DTYPES)
     hdims = [int(h) for h in env_list("FLASH_ATTN4_HDIMS", generate_kernels.HDIMS)]
     if os.environ.get("FLASH_ATTN4_ARCHS"):
-        archs = parse_targets(env_list("FLASH_ATTN4_ARCHS", ()))
+        archs, why_archs = parse_targets(env_list("FLASH_ATTN4_ARCHS", ())), "FLASH_ATTN4_ARCHS"
     else:
         archs, why_archs = default_targets()
-        log(f"FLASH_ATTN4_ARCHS not set: {why_archs}")
+        why_archs = f"FLASH_ATTN4_ARCHS not set: {why_archs}"
     bad = (
         [d for d in dtypes if d not in generate_kernels.DTYPES]
         + [str(h) for h in hdims if h not in generate_kernels.HDIMS]
@@ -230,6 +231,8 @@ def main() -> None:
         )
 
     reason = why_no_cuda_build()
+    if not reason:
+        log(f"build targets {archs} ({why_archs})")
     ext_modules, cmdclass = [], {}
     if reason:
         log(no_kernels_message(reason))
