@@ -17,7 +17,7 @@ from flash_attn4.dropout import keep_mask
 def general_attention_ref(
     q: Tensor, k: Tensor, v: Tensor, *, block_mask: BlockMask | None = None,
     alibi_slopes: Tensor | None = None, causal: bool, softmax_scale: float, window_size: tuple[int, int],
-    softcap: float, dropout_p: float = 0.0, dropout_seed: tuple[int, int] = (0, 0), dropout_batch: int = 0,
+    softcap: float, dropout_p: float = 0.0, dropout_seed: tuple = (0, 0), dropout_batch: int = 0,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """q (b, sq, hq, d), k / v (b, sk, hk, d) -> out (b, sq, hq, d) in q's dtype, lse (b, hq, sq) float32
     (float64 for float64 inputs). The logit of (i, j) is softcap(scale q_i . k_j) - slope_h |i + sk - sq - j|
@@ -82,7 +82,7 @@ def general_varlen_ref(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *, seqused_q=None,
     seqused_k=None, causal: bool, softmax_scale: float, window_size: tuple[int, int], softcap: float,
     block_mask: BlockMask | None = None, alibi_slopes: Tensor | None = None, dropout_p: float = 0.0,
-    dropout_seed: tuple[int, int] = (0, 0),
+    dropout_seed: tuple = (0, 0),
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """The packed form: sequence b is `general_attention_ref` of its rows, with dropout batch index b, ALiBi
     slopes alibi_slopes[b] when they are per sequence, and the top-left corner of block_mask's batch entry

@@ -7,7 +7,8 @@ call is a pure function of (seed, offset, batch, head, row, column) that a kerne
     keep(b, h, i, j) = philox(key, counter)[j % 4] >= p * 2^32      (dropped with probability p)
 
 Each call draws (seed, offset) from torch's default generator for the device (`draw_seed`), so a call is
-reproducible under torch.manual_seed and two calls differ. Kept probabilities are scaled by 1 / (1 - p).
+reproducible under torch.manual_seed and two calls differ; the draw stays on the device (no host read), so a
+call can be captured by torch.compile and CUDA graphs. Kept probabilities are scaled by 1 / (1 - p).
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ def philox4x32(counter: tuple[Tensor, Tensor, Tensor, Tensor], key: tuple[int, i
     return c0, c1, c2, c3
 
 
-def keep_mask(seed: int, offset: int, p: float, batch: int, nheads: int, rows: Tensor, cols: Tensor, *,
-              batch_start: int = 0) -> Tensor:  # fmt: skip
+def keep_mask(seed: int | Tensor, offset: int | Tensor, p: float, batch: int, nheads: int, rows: Tensor,
+              cols: Tensor, *, batch_start: int = 0) -> Tensor:  # fmt: skip
     """bool (batch, nheads, len(rows), len(cols)): which probabilities survive dropout p, for sequences
     batch_start .. batch_start + batch - 1 and the given query rows and key columns (so a kernel's tile, or a
     reference's chunk, is a slice of the call's mask)."""
@@ -57,8 +58,8 @@ def keep_mask(seed: int, offset: int, p: float, batch: int, nheads: int, rows: T
     bh = bh.view(batch, nheads, 1, 1)
     i = rows.to(torch.int64).view(1, 1, -1, 1)
     j = cols.to(torch.int64).view(1, 1, 1, -1)
-    words = philox4x32((j // 4, i, bh, torch.tensor(offset & _MASK32, device=dev)),
-                       (seed & _MASK32, (seed >> 32) & _MASK32))  # fmt: skip
+    seed, offset = (torch.as_tensor(x, dtype=torch.int64, device=dev) for x in (seed, offset))
+    words = philox4x32((j // 4, i, bh, offset & _MASK32), (seed & _MASK32, (seed >> 32) & _MASK32))
     lane = j % 4
     r = torch.where(
         lane == 0, words[0], torch.where(lane == 1, words[1], torch.where(lane == 2, words[2], words[3]))
@@ -66,10 +67,9 @@ def keep_mask(seed: int, offset: int, p: float, batch: int, nheads: int, rows: T
     return r >= min(int(p * 2**32), 2**32 - 1)
 
 
-def draw_seed(device: torch.device) -> tuple[int, int]:
-    """(seed, offset) for one call, from torch's default generator of `device` (advancing it). On CUDA this
-    reads the draw on the host (the reference path only; kernels take the generator's Philox state on the
-    device, which CUDA graphs can capture)."""
+def draw_seed(device: torch.device) -> tuple[Tensor, Tensor]:
+    """(seed, offset) for one call: 0-dim int64 tensors on `device` drawn from torch's default generator
+    there (advancing it), never read on the host."""
     gen = None if device.type == "cpu" else torch.cuda.default_generators[device.index or 0]
-    draws = torch.randint(0, 2**62, (2,), generator=gen, device=device).tolist()
-    return int(draws[0]), int(draws[1]) & _MASK32
+    draws = torch.randint(0, 2**62, (2,), generator=gen, device=device)
+    return draws[0], draws[1] & _MASK32

@@ -105,3 +105,14 @@ def test_bad_dropout_is_a_clear_error():
     for p in (1.0, -0.1, True, "0.1"):
         with pytest.raises(ValueError, match="dropout_p"):
             flash_attn4.attn(q, q, q, dropout_p=p)
+
+
+def test_dropout_compiles_fullgraph_and_matches_eager():
+    """The (seed, offset) draw stays on the device, so a call traces whole; same seed, same bits."""
+    q, k = torch.randn(1, 130, 2, 16), torch.randn(1, 140, 2, 16)
+    fn = torch.compile(lambda q, k: flash_attn4.attn(q, k, k, causal=True, dropout_p=0.3), fullgraph=True,
+                       backend="aot_eager")  # fmt: skip
+    torch.manual_seed(0)
+    compiled = fn(q, k)
+    torch.manual_seed(0)
+    assert torch.equal(compiled, flash_attn4.attn(q, k, k, causal=True, dropout_p=0.3))
