@@ -14,7 +14,7 @@ import warnings as _warnings
 
 import torch as _torch
 
-from flash_attn4 import _build_info, _ops, reference
+from flash_attn4 import _build_info, _ops, dropout, reference
 from flash_attn4._build_info import is_built
 from flash_attn4._ops import ReferenceFallbackWarning
 from flash_attn4.block_mask import BlockMask
@@ -68,6 +68,7 @@ __all__ = [
     "attn",
     "attn_varlen",
     "attn_with_kvcache",
+    "dropout",
     "enable_checks",
     "estimate_block_mask",
     "hadamard_rotate",
