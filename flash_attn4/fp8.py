@@ -111,3 +111,54 @@ def hadamard_rotate(q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
     cdt = torch.float64 if torch.float64 in (q.dtype, k.dtype) else torch.float32
     h = _rotation(q.shape[-1], q.device, cdt)
     return (q.to(cdt) @ h).to(q.dtype), (k.to(cdt) @ h).to(k.dtype)
+
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _descale(name: str, t: Tensor | None, x: Tensor) -> Tensor:
+    """A (batch, nheads_kv) fp32 descale (None = 1) broadcast to x's (batch, seqlen, nheads, 1)."""
+    b, _, h, _ = x.shape
+    if t is None:
+        return torch.ones(b, 1, h, 1, device=x.device)
+    if not isinstance(t, Tensor) or t.dim() != 2 or t.shape[0] != b or t.device != x.device:
+        raise ValueError(f"{name} must be a (batch, nheads_kv) float32 tensor on {x.device}")
+    return t.float().repeat_interleave(h // t.shape[1], dim=1)[:, None, :, None]
+
+
+def attn_fp8(
+    q: Tensor, k: Tensor, v: Tensor, q_descale, k_descale, v_descale, **options
+) -> tuple[Tensor, Tensor]:
+    """`attn` of fp8 q, k, v (values x descale): forward only, output bfloat16, lse float32. Until the fp8
+    kernels exist this runs the PyTorch reference on the dequantized inputs (the math the kernels will be
+    measured against), with a warning on CUDA."""
+    from flash_attn4 import _ops, reference
+
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_4d(t, name)
+        if t.dtype not in FP8_DTYPES:
+            raise TypeError(f"fp8 attention takes q, k and v all in fp8; {name} is {t.dtype}")
+        if t.requires_grad:
+            raise TypeError(
+                "fp8 attention is forward-only: train in bf16 (cast q, k, v with .to(torch.bfloat16))"
+            )
+    if (
+        k.shape != v.shape
+        or q.shape[0] != k.shape[0]
+        or q.shape[-1] != k.shape[-1]
+        or q.shape[2] % k.shape[2]
+    ):
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: shapes do not match")
+    hk = k.shape[2]
+    for name, t in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
+        if t is not None and (not isinstance(t, Tensor) or t.dim() != 2 or t.shape[1] != hk):
+            raise ValueError(f"{name} must be (batch, nheads_kv) = ({q.shape[0]}, {hk}), float32")
+    if q.is_cuda:
+        _ops._warn_once(
+            "flash_attn4: no fp8 CUDA kernel yet; the PyTorch reference runs on the dequantized inputs"
+        )
+    qf = q.float() * _descale("q_descale", q_descale, q)
+    kf = k.float() * _descale("k_descale", k_descale, k)
+    vf = v.float() * _descale("v_descale", v_descale, v)
+    out, lse = reference.attention_ref(qf, kf, vf, **options)
+    return out.to(torch.bfloat16), lse.float()

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flash_attn4 import _ops, checks  # (importing _ops registers torch.ops.flash_attn4.*)
+from flash_attn4 import _ops, checks, fp8  # (importing _ops registers torch.ops.flash_attn4.*)
 
 _CUDA_DTYPES = (torch.float16, torch.bfloat16)
 _CPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -231,6 +231,9 @@ def attn(
     block_mask: Any = None,
     alibi_slopes: Tensor | None = None,
     dropout_p: float = 0.0,
+    q_descale: Tensor | None = None,
+    k_descale: Tensor | None = None,
+    v_descale: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Exact attention, O = softmax(scale * Q K^T + mask) V.
 
@@ -262,6 +265,8 @@ def attn(
             with probability dropout_p (flash_attn4.dropout: a Philox keep mask from (seed, offset) drawn
             from torch's generator, so torch.manual_seed reproduces it) and the kept ones scaled by
             1 / (1 - dropout_p); lse is that of the probabilities before dropout.
+        q_descale, k_descale, v_descale: with float8 (e4m3 / e5m2) q, k, v: fp32 (batch, nheads_kv) scales
+            (the values are x * descale; flash_attn4.quantize_fp8 makes both); forward only, out bfloat16.
 
     Returns:
         out: (batch, seqlen_q, nheads_q, headdim), q's dtype; and, with return_lse,
@@ -271,6 +276,20 @@ def attn(
     sm90 kernels (windows and softcap included; options a kernel lacks fall back to the PyTorch reference
     with a warning), elsewhere through the reference.
     """
+    if isinstance(q, Tensor) and q.dtype in fp8.FP8_DTYPES:
+        if block_mask is not None or alibi_slopes is not None or dropout_p:
+            raise NotImplementedError("fp8 attention takes causal, window_size, softcap and sinks so far")
+        softmax_scale, left, right, softcap = _validate_options(
+            q.shape[-1], causal, softmax_scale, window_size, softcap, return_lse, deterministic
+        )
+        out, lse = fp8.attn_fp8(
+            q, k, v, q_descale, k_descale, v_descale, causal=causal, softmax_scale=softmax_scale,
+            window_size=(left, right), softcap=softcap,
+        )  # fmt: skip
+        if sinks is not None:
+            _validate_sinks(sinks, q.shape[2], q.device)
+            out, lse = _with_sinks(out, lse, sinks, head_dim=1)
+        return (out, lse) if return_lse else out
     _validate_tensors(q, k, v)
     softmax_scale, left, right, softcap = _validate_options(
         q.shape[-1], causal, softmax_scale, window_size, softcap, return_lse, deterministic
