@@ -70,6 +70,7 @@ def _kernel_plan(
     causal: bool,
     window_left: int,
     window_right: int,
+    head_dim_v: Optional[int] = None,
 ) -> tuple[Optional[_Plan], str]:
     """The one place that picks the path of a call (dense or packed; for packed batches seqlen_q/k are the
     max_seqlen bounds): (plan, "") for the kernels, or (None, why the reference runs; "" when there is nothing
@@ -77,6 +78,11 @@ def _kernel_plan(
     for every mask."""
     if q.numel() == 0 or seqlen_q == 0 or seqlen_k == 0:
         return None, ""  # nothing to compute (or only empty rows): no kernel launch, nothing to warn about
+    if head_dim_v is not None and head_dim_v != q.shape[-1]:
+        return None, (
+            f"no CUDA kernel takes a v head dim ({head_dim_v}) other than q / k's ({q.shape[-1]}) yet (MLA "
+            "192 / 128 prefill); the PyTorch reference runs"
+        )
     arch, why = _build_info.kernel_available(q.device, q.dtype, q.shape[-1])
     if arch is None:
         return None, why
@@ -325,7 +331,7 @@ def fwd_impl(
     Inputs are assumed validated (`interface.attn` does that). lse is float32, except float64 for
     float64 inputs (CPU reference only), so that gradcheck can check gradients through lse.
     """
-    plan, why = _kernel_plan(q, q.shape[1], k.shape[1], causal, window_left, window_right)
+    plan, why = _kernel_plan(q, q.shape[1], k.shape[1], causal, window_left, window_right, v.shape[-1])
     if plan is None:
         if why and q.is_cuda:
             _warn_once(why)
@@ -351,8 +357,10 @@ fwd = torch.library.custom_op("flash_attn4::fwd", mutates_args=())(fwd_impl)
 def _fwd_fake(
     q, k, v, softmax_scale, causal, window_left, window_right, softcap, deterministic, num_splits=0
 ):
-    b, sq, hq, d = q.shape
-    return q.new_empty(b, sq, hq, d), torch.empty(b, hq, sq, dtype=_lse_dtype(q.dtype), device=q.device)
+    b, sq, hq, _ = q.shape
+    return q.new_empty(b, sq, hq, v.shape[-1]), torch.empty(
+        b, hq, sq, dtype=_lse_dtype(q.dtype), device=q.device
+    )
 
 
 @torch.library.custom_op("flash_attn4::bwd", mutates_args=())
@@ -379,7 +387,7 @@ def bwd(
     float64 for float64 inputs; written out rather than taken with torch.func.vjp, which breaks under
     dispatch modes such as opcheck's schema check), with a one-time warning on CUDA.
     """
-    plan, why = _kernel_plan(q, q.shape[1], k.shape[1], causal, window_left, window_right)
+    plan, why = _kernel_plan(q, q.shape[1], k.shape[1], causal, window_left, window_right, v.shape[-1])
     if plan is not None:
         dq, dk, dv = (_grad_like(t) for t in (q, k, v))
         bwd_into(

@@ -25,12 +25,13 @@ def _varlen_plan(
     causal: bool,
     window_left: int,
     window_right: int,
+    head_dim_v: Optional[int] = None,
 ) -> tuple[Optional[_Plan], str]:
     """`_kernel_plan` of a packed call: the max_seqlen bounds stand for the lengths (a window side that masks
     nothing at the longest sequence masks nothing at any)."""
     if k.shape[0] == 0:
         return None, ""
-    return _kernel_plan(q, max_seqlen_q, max_seqlen_k, causal, window_left, window_right)
+    return _kernel_plan(q, max_seqlen_q, max_seqlen_k, causal, window_left, window_right, head_dim_v)
 
 
 def _varlen_args(cu_q, cu_k, used_q, used_k, max_q, max_k) -> dict:
@@ -69,7 +70,7 @@ def fwd_varlen(
     Short query blocks (max_seqlen_q x GQA group <= DECODE_MAX_ROWS) and forced num_splits > 1 run the
     split-KV decode kernel (`_varlen_decode`); its out and lse feed the same backward.
     """
-    plan, why = _varlen_plan(q, k, max_seqlen_q, max_seqlen_k, causal, window_left, window_right)
+    plan, why = _varlen_plan(q, k, max_seqlen_q, max_seqlen_k, causal, window_left, window_right, v.shape[-1])
     if plan is not None and _use_decode(q, k, max_seqlen_q, num_splits):
         return _decode_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                               softmax_scale, plan, softcap, num_splits)  # fmt: skip
@@ -128,8 +129,10 @@ def _decode_varlen(q, k, v, cu_q, cu_k, used_q, used_k, max_q, softmax_scale, pl
 
 @fwd_varlen.register_fake
 def _fwd_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *args):
-    total_q, hq, d = q.shape
-    return q.new_empty(total_q, hq, d), torch.empty(hq, total_q, dtype=_lse_dtype(q.dtype), device=q.device)
+    total_q, hq, _ = q.shape
+    return q.new_empty(total_q, hq, v.shape[-1]), torch.empty(
+        hq, total_q, dtype=_lse_dtype(q.dtype), device=q.device
+    )
 
 
 @torch.library.custom_op("flash_attn4::bwd_varlen", mutates_args=())
@@ -155,7 +158,7 @@ def bwd_varlen(
     deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Varlen backward: dq like q, dk like k, dv like v (zero outside every sequence); through lse too."""
-    plan, why = _varlen_plan(q, k, max_seqlen_q, max_seqlen_k, causal, window_left, window_right)
+    plan, why = _varlen_plan(q, k, max_seqlen_q, max_seqlen_k, causal, window_left, window_right, v.shape[-1])
     if plan is not None:
         # Zeros: the kernel writes only rows inside the sequences.
         dq, dk, dv = (torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))

@@ -34,8 +34,8 @@ def _validate_tensors(q: Any, k: Any, v: Any) -> None:
         raise TypeError(
             f"q, k, v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them with .to()"
         )
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must agree but in the last dim, got {tuple(k.shape)} and {tuple(v.shape)}")
     b, _, hq, d = q.shape
     if k.shape[0] != b:
         raise ValueError(f"q and k must have the same batch size, got {b} and {k.shape[0]}")
@@ -48,6 +48,8 @@ def _validate_tensors(q: Any, k: Any, v: Any) -> None:
             "fix the nheads dim (dim 2) of q or of k and v"
         )
     _validate_device_rules(q.device.type, q.dtype, d)
+    if v.shape[3] != d:  # MLA-style (qk 192, v 128): the reference path until a kernel takes it
+        _validate_device_rules(q.device.type, q.dtype, v.shape[3])
 
 
 def _validate_device_rules(device_type: str, dtype: torch.dtype, headdim: int) -> None:
@@ -336,8 +338,8 @@ def _validate_varlen(
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"k and v must agree but in the last dim, got {tuple(k.shape)} and {tuple(v.shape)}")
     if k.shape[2] != q.shape[2]:
         raise ValueError(f"q and k must have the same headdim, got {q.shape[2]} and {k.shape[2]}")
     hq, hk = q.shape[1], k.shape[1]

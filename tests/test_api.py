@@ -127,7 +127,7 @@ def _with(i, t):
         (_with(1, torch.randn(2, 7, 2, 16, device="meta")), {}, ValueError, "one device"),
         (_with(2, torch.randn(2, 7, 2, 16, dtype=torch.float64)), {}, TypeError, "one dtype"),
         ([t.to(torch.int32) for t in _OK], {}, TypeError, "on CPU q, k, v must be"),
-        (_with(2, torch.randn(2, 8, 2, 16)), {}, ValueError, "k and v must have the same shape"),
+        (_with(2, torch.randn(2, 8, 2, 16)), {}, ValueError, "k and v must agree but in the last dim"),
         ([_OK[0], torch.randn(3, 7, 2, 16), torch.randn(3, 7, 2, 16)], {}, ValueError, "same batch size"),
         ([_OK[0], torch.randn(2, 7, 2, 8), torch.randn(2, 7, 2, 8)], {}, ValueError, "same headdim"),
         ([_OK[0], torch.randn(2, 7, 3, 16), torch.randn(2, 7, 3, 16)], {}, ValueError, "multiple of nheads"),

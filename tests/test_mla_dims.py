@@ -1,0 +1,53 @@
+"""A v head dim other than q / k's (DeepSeek-style MLA prefill: 192 / 128): attn and attn_varlen, forward
+and gradients, against dense fp64 attention; the CUDA kernels do not take it yet, so it runs on the
+reference (with a warning on CUDA)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import flash_attn4
+
+
+def dense(q, k, v, causal):
+    sq, sk = q.shape[1], k.shape[1]
+    g = q.shape[2] // k.shape[2]
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(g, 2)) / math.sqrt(q.shape[-1])
+    if causal:
+        s = s.masked_fill(torch.arange(sk)[None, :] > torch.arange(sq)[:, None] + (sk - sq), -math.inf)
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), v.repeat_interleave(g, 2)), torch.logsumexp(
+        s, -1
+    )
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_v_head_dim_differs(causal):
+    g = torch.Generator().manual_seed(0)
+    mk = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).requires_grad_()  # noqa: E731
+    q, k, v = mk(2, 37, 4, 24), mk(2, 41, 2, 24), mk(2, 41, 2, 16)
+    out, lse = flash_attn4.attn(q, k, v, causal=causal, return_lse=True)
+    assert out.shape == (2, 37, 4, 16)
+    want = dense(q, k, v, causal)
+    torch.testing.assert_close((out, lse), want, atol=1e-10, rtol=1e-10)
+    go = torch.randn_like(out)
+    for a, b in zip(
+        torch.autograd.grad((out * go).sum(), (q, k, v)), torch.autograd.grad((want[0] * go).sum(), (q, k, v))
+    ):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
+
+
+def test_varlen_v_head_dim_differs():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(30, 4, 24, generator=g, dtype=torch.float64)
+    k = torch.randn(25, 2, 24, generator=g, dtype=torch.float64)
+    v = torch.randn(25, 2, 16, generator=g, dtype=torch.float64)
+    cu_q, cu_k = torch.tensor([0, 12, 30], dtype=torch.int32), torch.tensor([0, 10, 25], dtype=torch.int32)
+    out = flash_attn4.attn_varlen(q, k, v, cu_q, cu_k, 18, 15, causal=True)
+    assert out.shape == (30, 4, 16)
+    for (q0, q1), (k0, k1) in (((0, 12), (0, 10)), ((12, 30), (10, 25))):
+        want, _ = dense(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], True)
+        # Rows that see no key (causal, more queries than keys) are 0 here and NaN in the dense softmax.
+        torch.testing.assert_close(out[q0:q1], want[0].nan_to_num(0.0), atol=1e-10, rtol=1e-10)
