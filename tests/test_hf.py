@@ -345,3 +345,26 @@ def test_bert_without_dropout_trains_a_step():
     assert torch.isfinite(grads[1]).all() and grads[1].abs().sum() > 0
     torch.testing.assert_close(grads[1], grads[0], atol=1e-4, rtol=1e-4)
     torch.optim.SGD(ours.parameters(), lr=0.1).step()
+
+
+@pytest.mark.skipif(not hasattr(transformers, "DeepseekV3Config"), reason="transformers without DeepSeek-V3")
+def test_deepseek_v3_mla_head_dims_match_eager():
+    """MLA: q / k head dim 24 (16 + 8 rotary), v head dim 12; padded batch, forward and a training step."""
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=12, max_position_embeddings=128, n_group=1, topk_group=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    ours = flash_attn4.patch_transformers(copy.deepcopy(ref))
+    ids, mask = _batch(left=True)
+    keep = mask.bool()
+    outs = [m(ids, attention_mask=mask).logits for m in (ref, ours)]
+    torch.testing.assert_close(outs[1][keep], outs[0][keep], atol=1e-4, rtol=1e-4)
+    for o in outs:
+        o[keep].square().mean().backward()
+    for (name, p_ref), p in zip(ref.named_parameters(), ours.parameters()):
+        if p_ref.grad is not None:
+            torch.testing.assert_close(p.grad, p_ref.grad, atol=1e-4, rtol=1e-3, msg=name)

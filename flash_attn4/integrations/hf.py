@@ -183,7 +183,8 @@ def _attn_padded(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, causal: bool, **
         **kw,
     )
     # Pad rows get 0: finite, so nothing downstream turns into NaN through 0 * NaN.
-    return q.new_zeros(b * sq, h, d).index_copy(0, idx_q, out).reshape(b, sq, h, d)
+    dv = out.shape[-1]  # v's head dim (MLA's differs from q's)
+    return q.new_zeros(b * sq, h, dv).index_copy(0, idx_q, out).reshape(b, sq, h, dv)
 
 
 def _decode_padded(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, causal: bool, **kw) -> Tensor:
@@ -251,7 +252,7 @@ def attention_forward(
     elif all(kwargs.get(n) is not None for n in ("cu_seq_lens_q", "cu_seq_lens_k")):
         cu_q, cu_k = kwargs["cu_seq_lens_q"].to(torch.int32), kwargs["cu_seq_lens_k"].to(torch.int32)
         out = _varlen(q.reshape(b * sq, hq, d), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k, causal, **kw)
-        out = out.reshape(b, sq, hq, d)
+        out = out.reshape(b, sq, hq, -1)  # -1: v's head dim
     else:
         cu = _packed_offsets(kwargs.get("position_ids"), b, sq) if sq == k.shape[1] else None
         if cu is not None:
