@@ -1,0 +1,164 @@
+"""Context parallelism: attention over a sequence sharded across the ranks of a torch.distributed group.
+
+    q, k, v = (zigzag_shard(t, group=group) for t in (q, k, v))     # causal: balanced shards
+    out = ring_attn(q, k, v, causal=True, group=group)               # this rank's shard of the output
+
+Each rank holds its shard of q, k and v, (batch, seqlen / world, heads, d). K and V travel around the ring
+(rank r sends to r + 1, receives from r - 1) while each rank attends its queries to the block it holds; the
+partial results merge through their log-sum-exps (merge_attn_states' math). The backward recomputes nothing:
+with the merged out and lse, each block's gradients are those of the attention kernel's backward, dq stays
+on the rank and dk / dv travel with their block back to its owner. Causal attention shards zigzag: the
+sequence is cut into 2 x world chunks and rank r holds chunks r and 2 world - 1 - r, so every rank has the
+same amount of work; blocks above the diagonal are skipped. Works on any backend with point-to-point sends
+(NCCL on GPUs, gloo on CPU, where the reference kernels run).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from flash_attn4 import _ops
+
+__all__ = ["ring_attn", "zigzag_shard", "zigzag_unshard"]
+
+
+def _world(group) -> tuple[int, int]:
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def zigzag_shard(x: Tensor, *, group=None, dim: int = 1) -> Tensor:
+    """This rank's zigzag shard of the full tensor x: chunks r and 2 world - 1 - r of 2 world equal chunks
+    along `dim` (the sequence dim must be divisible by 2 world)."""
+    r, w = _world(group)
+    if x.shape[dim] % (2 * w):
+        raise ValueError(f"zigzag sharding needs seqlen ({x.shape[dim]}) divisible by 2 x world ({2 * w})")
+    chunks = x.chunk(2 * w, dim=dim)
+    return torch.cat([chunks[r], chunks[2 * w - 1 - r]], dim=dim)
+
+
+def zigzag_unshard(x: Tensor, *, group=None, dim: int = 1) -> Tensor:
+    """The full tensor from every rank's zigzag shard (an all-gather, then the chunks back in order)."""
+    r, w = _world(group)
+    shards = [torch.empty_like(x) for _ in range(w)]
+    dist.all_gather(shards, x.contiguous(), group=group)
+    chunks = [None] * (2 * w)
+    for i, s in enumerate(shards):
+        chunks[i], chunks[2 * w - 1 - i] = s.chunk(2, dim=dim)
+    return torch.cat(chunks, dim=dim)
+
+
+def _exchange(tensors: list[Tensor], group) -> list[Tensor]:
+    """Send `tensors` to the next rank and receive the previous rank's (same shapes)."""
+    r, w = _world(group)
+    nxt, prv = (r + 1) % w, (r - 1) % w
+    nxt, prv = (dist.get_global_rank(group, i) if group is not None else i for i in (nxt, prv))
+    received = [torch.empty_like(t) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, t, prv, group) for t in received]
+    for req in dist.batch_isend_irecv(ops):
+        req.wait()
+    return received
+
+
+def _pairs(r: int, owner: int, w: int, causal: bool, sq: int, sk: int):
+    """The (query slice, key slice, causal) sub-blocks rank r computes against the block of rank `owner`.
+    Zigzag (causal): rank r's queries are chunks (r, 2w-1-r), owner's keys chunks (owner, 2w-1-owner);
+    chunk a sees chunk c fully when a > c, causally when a == c, not at all when a < c."""
+    if not causal:
+        return [(slice(0, sq), slice(0, sk), False)]
+    hq, hk = sq // 2, sk // 2
+    q_chunks = ((r, slice(0, hq)), (2 * w - 1 - r, slice(hq, sq)))
+    k_chunks = ((owner, slice(0, hk)), (2 * w - 1 - owner, slice(hk, sk)))
+    return [(qs, ks, a == c) for a, qs in q_chunks for c, ks in k_chunks if a >= c]
+
+
+def _merge(out: Tensor, lse: Tensor, o: Tensor, l_: Tensor) -> tuple[Tensor, Tensor]:
+    """Running (out, lse) merged with a partial (o, l_); out (b, s, h, d), lse (b, h, s)."""
+    new = torch.logaddexp(lse, l_)
+    new_safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+    w_old = torch.exp(lse - new_safe).transpose(1, 2).unsqueeze(-1)
+    w_new = torch.exp(l_ - new_safe).transpose(1, 2).unsqueeze(-1)
+    return out * w_old + o * w_new, new
+
+
+def _ring_fwd(q, k, v, scale, causal, group):
+    r, w = _world(group)
+    b, sq, hq, _ = q.shape
+    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.zeros(b, sq, hq, v.shape[-1], dtype=cdt, device=q.device)
+    lse = torch.full((b, hq, sq), -math.inf, dtype=cdt, device=q.device)
+    kv = [k, v]
+    for step in range(w):
+        owner = (r - step) % w
+        nxt = _exchange(kv, group) if step + 1 < w else None
+        for qs, ks, c in _pairs(r, owner, w, causal, sq, k.shape[1]):
+            o, l_ = _ops.fwd_impl(q[:, qs], kv[0][:, ks], kv[1][:, ks], scale, c, -1, -1, 0.0, False)
+            merged = _merge(out[:, qs], lse[:, :, qs], o.to(cdt), l_.to(cdt))
+            out[:, qs], lse[:, :, qs] = merged
+        kv = nxt
+    return out.to(q.dtype), lse
+
+
+def _ring_bwd(dout, q, k, v, out, lse, scale, causal, group):
+    r, w = _world(group)
+    sq = q.shape[1]
+    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
+    block = [
+        k,
+        v,
+        torch.zeros(k.shape, dtype=cdt, device=k.device),
+        torch.zeros(v.shape, dtype=cdt, device=v.device),
+    ]
+    for step in range(w):
+        owner = (r - step) % w
+        kb, vb, dkb, dvb = block
+        for qs, ks, c in _pairs(r, owner, w, causal, sq, k.shape[1]):
+            gq, gk, gv = _ops.bwd(dout[:, qs].contiguous(), None, q[:, qs], kb[:, ks], vb[:, ks],
+                                  out[:, qs].contiguous(), lse[:, :, qs].contiguous(), scale, c, -1, -1, 0.0,
+                                  False)  # fmt: skip
+            dq[:, qs] += gq.to(cdt)
+            dkb[:, ks] += gk.to(cdt)
+            dvb[:, ks] += gv.to(cdt)
+        # The block (with the gradients it gathered) moves on; after w moves it is back with its owner.
+        block = _exchange([kb, vb, dkb, dvb], group)
+    return dq.to(q.dtype), block[2].to(k.dtype), block[3].to(v.dtype)
+
+
+class _RingAttn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale, causal, group):
+        out, lse = _ring_fwd(q, k, v, scale, causal, group)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (scale, causal, group)
+        ctx.set_materialize_grads(False)  # an unused lse then gives dlse None
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        if dlse is not None:
+            raise NotImplementedError("ring_attn's backward does not take a gradient of lse yet")
+        q, k, v, out, lse = ctx.saved_tensors
+        dout = torch.zeros_like(out) if dout is None else dout
+        dq, dk, dv = _ring_bwd(dout, q, k, v, out, lse, *ctx.args)
+        return dq, dk, dv, None, None, None
+
+
+def ring_attn(q: Tensor, k: Tensor, v: Tensor, *, group=None, causal: bool = False,
+              softmax_scale: float | None = None, return_lse: bool = False):  # fmt: skip
+    """Attention of this rank's query shard over the whole sharded sequence. q (batch, seqlen_shard,
+    nheads_q, d), k / v (batch, seqlen_shard, nheads_kv, d), the same shard length on every rank: contiguous
+    shards for causal=False, zigzag shards (`zigzag_shard`) for causal=True. Returns this rank's shard of
+    out (and of lse, (batch, nheads_q, seqlen_shard)). Differentiable in q, k, v."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D (batch, seqlen_shard, nheads, headdim) tensor")
+    if causal and (q.shape[1] % 2 or k.shape[1] % 2):
+        raise ValueError("causal ring_attn takes zigzag shards (two equal chunks): even shard lengths")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    out, lse = _RingAttn.apply(q, k, v, scale, bool(causal), group)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,59 @@
+"""Context parallelism (flash_attn4.distributed) on gloo, 2 and 4 processes on this machine: each rank's
+ring_attn shard equals single-process attn on the whole sequence, forward and gradients, causal (zigzag
+shards) and not (contiguous shards), GQA, odd chunk lengths."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import flash_attn4
+from flash_attn4.distributed import ring_attn, zigzag_shard, zigzag_unshard
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, causal: bool, chunk: int, result_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        g = torch.Generator().manual_seed(0)  # every rank builds the same full tensors
+        seqlen = 2 * world * chunk
+        q, k, v = (torch.randn(2, seqlen, h, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+        dout = torch.randn(2, seqlen, 4, 16, generator=g, dtype=torch.float64)
+        if causal:
+            shard = lambda t: zigzag_shard(t)  # noqa: E731
+        else:
+            shard = lambda t: t.chunk(world, dim=1)[rank]  # noqa: E731
+        ql, kl, vl = (shard(t).clone().requires_grad_() for t in (q, k, v))
+        out = ring_attn(ql, kl, vl, causal=causal)
+        out.backward(shard(dout))
+        # The reference on the whole sequence, on every rank, sharded the same way.
+        qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
+        ref = flash_attn4.attn(qf, kf, vf, causal=causal)
+        ref.backward(dout)
+        torch.testing.assert_close(out, shard(ref), atol=1e-10, rtol=1e-10)
+        for got, want in ((ql.grad, qf.grad), (kl.grad, kf.grad), (vl.grad, vf.grad)):
+            torch.testing.assert_close(got, shard(want), atol=1e-9, rtol=1e-9)
+        if causal:
+            torch.testing.assert_close(zigzag_unshard(out.detach()), ref.detach(), atol=1e-10, rtol=1e-10)
+        open(os.path.join(result_dir, f"ok{rank}"), "w").close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_attn_equals_whole_sequence_attn(tmp_path, world, causal):
+    chunk = 19  # odd chunk lengths
+    mp.spawn(_worker, args=(world, _free_port(), causal, chunk, str(tmp_path)), nprocs=world, join=True)
+    assert sorted(os.listdir(tmp_path)) == [f"ok{r}" for r in range(world)]
