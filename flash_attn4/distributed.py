@@ -51,17 +51,24 @@ def zigzag_unshard(x: Tensor, *, group=None, dim: int = 1) -> Tensor:
     return torch.cat(chunks, dim=dim)
 
 
-def _exchange(tensors: list[Tensor], group) -> list[Tensor]:
-    """Send `tensors` to the next rank and receive the previous rank's (same shapes)."""
+def _start_exchange(tensors: list[Tensor], group) -> tuple[list, list[Tensor]]:
+    """Starts sending `tensors` to the next rank and receiving the previous rank's (same shapes); returns
+    (requests, receive buffers). The transfers run while the caller computes (on NCCL's own stream on
+    GPUs, on gloo's threads on CPU); `_finish` waits for them."""
     r, w = _world(group)
     nxt, prv = (r + 1) % w, (r - 1) % w
     nxt, prv = (dist.get_global_rank(group, i) if group is not None else i for i in (nxt, prv))
     received = [torch.empty_like(t) for t in tensors]
-    ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group) for t in tensors]
-    ops += [dist.P2POp(dist.irecv, t, prv, group) for t in received]
-    for req in dist.batch_isend_irecv(ops):
+    sent = [t.contiguous() for t in tensors]  # kept alive with the requests until they are waited on
+    requests = [dist.isend(t, nxt, group=group) for t in sent] + [
+        dist.irecv(t, prv, group=group) for t in received
+    ]
+    return [(req, sent) for req in requests], received
+
+
+def _finish(requests) -> None:
+    for req, _ in requests:
         req.wait()
-    return received
 
 
 def _pairs(r: int, owner: int, w: int, causal: bool, sq: int, sk: int):
@@ -85,7 +92,7 @@ def _merge(out: Tensor, lse: Tensor, o: Tensor, l_: Tensor) -> tuple[Tensor, Ten
     return out * w_old + o * w_new, new
 
 
-def _ring_fwd(q, k, v, scale, causal, group):
+def _ring_fwd(q, k, v, scale, causal, softcap, group):
     r, w = _world(group)
     b, sq, hq, _ = q.shape
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -94,16 +101,17 @@ def _ring_fwd(q, k, v, scale, causal, group):
     kv = [k, v]
     for step in range(w):
         owner = (r - step) % w
-        nxt = _exchange(kv, group) if step + 1 < w else None
+        pending, nxt = _start_exchange(kv, group) if step + 1 < w else ([], None)  # the next block, meanwhile
         for qs, ks, c in _pairs(r, owner, w, causal, sq, k.shape[1]):
-            o, l_ = _ops.fwd_impl(q[:, qs], kv[0][:, ks], kv[1][:, ks], scale, c, -1, -1, 0.0, False)
+            o, l_ = _ops.fwd_impl(q[:, qs], kv[0][:, ks], kv[1][:, ks], scale, c, -1, -1, softcap, False)
             merged = _merge(out[:, qs], lse[:, :, qs], o.to(cdt), l_.to(cdt))
             out[:, qs], lse[:, :, qs] = merged
+        _finish(pending)
         kv = nxt
-    return out.to(q.dtype), lse
+    return out, lse  # in the compute dtype: the backward's D needs the unrounded out
 
 
-def _ring_bwd(dout, q, k, v, out, lse, scale, causal, group):
+def _ring_bwd(dout, q, k, v, out, lse, scale, causal, softcap, group):
     r, w = _world(group)
     sq = q.shape[1]
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -117,26 +125,32 @@ def _ring_bwd(dout, q, k, v, out, lse, scale, causal, group):
     for step in range(w):
         owner = (r - step) % w
         kb, vb, dkb, dvb = block
+        # K / V of the next step travel while this step computes; the gradients follow once complete.
+        pending, kv_next = _start_exchange([kb, vb], group) if step + 1 < w else ([], [None, None])
         for qs, ks, c in _pairs(r, owner, w, causal, sq, k.shape[1]):
-            gq, gk, gv = _ops.bwd(dout[:, qs].contiguous(), None, q[:, qs], kb[:, ks], vb[:, ks],
-                                  out[:, qs].contiguous(), lse[:, :, qs].contiguous(), scale, c, -1, -1, 0.0,
-                                  False)  # fmt: skip
+            gq, gk, gv = _ops.bwd(
+                dout[:, qs].contiguous(), None, q[:, qs], kb[:, ks], vb[:, ks], out[:, qs].contiguous(),
+                lse[:, :, qs].contiguous(), scale, c, -1, -1, softcap, False,
+            )  # fmt: skip
             dq[:, qs] += gq.to(cdt)
             dkb[:, ks] += gk.to(cdt)
             dvb[:, ks] += gv.to(cdt)
-        # The block (with the gradients it gathered) moves on; after w moves it is back with its owner.
-        block = _exchange([kb, vb, dkb, dvb], group)
+        # The block's gradients move on with it; after w moves it is back with its owner.
+        grad_reqs, grads_next = _start_exchange([dkb, dvb], group)
+        _finish(pending + grad_reqs)
+        block = kv_next + grads_next
     return dq.to(q.dtype), block[2].to(k.dtype), block[3].to(v.dtype)
 
 
 class _RingAttn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale, causal, group):
-        out, lse = _ring_fwd(q, k, v, scale, causal, group)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (scale, causal, group)
+    def forward(ctx, q, k, v, scale, causal, softcap, group):
+        out, lse = _ring_fwd(q, k, v, scale, causal, softcap, group)
+        # The kernels' backward takes out in q's dtype; the reference uses an unrounded one exactly.
+        ctx.save_for_backward(q, k, v, out.to(q.dtype) if q.is_cuda else out, lse)
+        ctx.args = (scale, causal, softcap, group)
         ctx.set_materialize_grads(False)  # an unused lse then gives dlse None
-        return out, lse
+        return out.to(q.dtype), lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
@@ -145,14 +159,17 @@ class _RingAttn(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout
         dq, dk, dv = _ring_bwd(dout, q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
-def ring_attn(q: Tensor, k: Tensor, v: Tensor, *, group=None, causal: bool = False,
-              softmax_scale: float | None = None, return_lse: bool = False):  # fmt: skip
+def ring_attn(
+    q: Tensor, k: Tensor, v: Tensor, *, group=None, causal: bool = False, softmax_scale: float | None = None,
+    softcap: float = 0.0, return_lse: bool = False,
+):  # fmt: skip
     """Attention of this rank's query shard over the whole sharded sequence. q (batch, seqlen_shard,
     nheads_q, d), k / v (batch, seqlen_shard, nheads_kv, d), the same shard length on every rank: contiguous
-    shards for causal=False, zigzag shards (`zigzag_shard`) for causal=True. Returns this rank's shard of
+    shards for causal=False, zigzag shards (`zigzag_shard`) for causal=True; softcap as for `attn`. Returns
+    this rank's shard of
     out (and of lse, (batch, nheads_q, seqlen_shard)). Differentiable in q, k, v."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor) or t.dim() != 4:
@@ -160,5 +177,5 @@ def ring_attn(q: Tensor, k: Tensor, v: Tensor, *, group=None, causal: bool = Fal
     if causal and (q.shape[1] % 2 or k.shape[1] % 2):
         raise ValueError("causal ring_attn takes zigzag shards (two equal chunks): even shard lengths")
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    out, lse = _RingAttn.apply(q, k, v, scale, bool(causal), group)
+    out, lse = _RingAttn.apply(q, k, v, scale, bool(causal), float(softcap), group)
     return (out, lse) if return_lse else out

@@ -229,15 +229,20 @@ def attention_bwd_ref(
     if b * sq * hq == 0 or first == sq:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     with torch.no_grad():
+        saved = None
+        if out is not None and lse is not None and out.dtype == cdt and lse.dtype == cdt:
+            saved = (_bhsd(out[:, first:], cdt), lse[:, :, first:])
         if _fused_ok(q, v, cdt, softcap):
-            saved = None
-            if out is not None and lse is not None and out.dtype == cdt and lse.dtype == cdt:
-                saved = (_bhsd(out[:, first:], cdt), lse[:, :, first:])
             dq_rows, dk, dv = _fused_grads(
                 dout, q, k, v, dlse, scale, left, right, first, cdt, _CHUNK_ELEMS, saved
             )
         else:
-            dq_rows, dk, dv = _plain_grads(dout, q, k, v, dlse, scale, left, right, first, softcap, cdt)
+            # Exact (compute-dtype) out and lse are used as the kernels use them: P from that lse, D from
+            # that out, so the block of a larger attention (ring attention) gets its share of the gradients.
+            given = {} if saved is None else {"out": out, "lse": lse}
+            dq_rows, dk, dv = _plain_grads(
+                dout, q, k, v, dlse, scale, left, right, first, softcap, cdt, **given
+            )
         if first == 0:
             dq = dq_rows.to(q.dtype)
         else:
@@ -246,8 +251,10 @@ def attention_bwd_ref(
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _plain_grads(dout, q, k, v, dlse, scale, left, right, first, softcap, cdt):
-    """As `_reference_fused._fused_grads`, by chunks of rows and their key bands (written out, in place)."""
+def _plain_grads(dout, q, k, v, dlse, scale, left, right, first, softcap, cdt, out=None, lse=None):
+    """As `_reference_fused._fused_grads`, by chunks of rows and their key bands (written out, in place).
+    With lse, P is exp(S - lse) for that lse (the kernels' recompute) rather than this call's own softmax;
+    with out, D = rowsum(dO * out) from that out."""
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     g = hq // hk
@@ -258,11 +265,21 @@ def _plain_grads(dout, q, k, v, dlse, scale, left, right, first, softcap, cdt):
     dk = torch.zeros(b, hk, sk, d, dtype=cdt, device=q.device)
     dv = torch.zeros(b, hk, sk, v.shape[-1], dtype=cdt, device=q.device)
     for r0, r1, lo, hi in _row_chunks(first, sq, sq, sk, left, right, _plain_budget(b, hq, q.device)):
-        p, _, tanh = _probs(qg, kh, r0, r1, lo, hi, sq, scale, left, right, softcap, True, want_tanh=True)
+        p, own_lse, tanh = _probs(
+            qg, kh, r0, r1, lo, hi, sq, scale, left, right, softcap, True, want_tanh=True
+        )
         qc = qg[:, :, :, r0:r1].reshape(b, hk, -1, d)
         doc = do[:, :, :, r0:r1].reshape(b, hk, g * (r1 - r0), -1)
         kb, vb = kh[:, :, lo:hi], vh[:, :, lo:hi]
-        o = torch.matmul(p, vb)
+        if lse is not None:  # P of the given lse: this call's P times exp(own lse - given lse)
+            given = lse.to(cdt).reshape(b, hk, g, sq)[:, :, :, r0:r1]
+            ratio = torch.exp(own_lse - given).masked_fill(torch.isneginf(own_lse), 0.0)
+            p.mul_(ratio.reshape(b, hk, g * (r1 - r0), 1))
+        if out is not None:
+            o = out.to(cdt).reshape(b, sq, hk, g, -1).permute(0, 2, 3, 1, 4)[:, :, :, r0:r1]
+            o = o.reshape(b, hk, g * (r1 - r0), -1)
+        else:
+            o = torch.matmul(p, vb)
         delta = (doc * o).sum(dim=-1, keepdim=True)
         if dl is not None:
             delta = delta - dl[:, :, :, r0:r1].reshape(b, hk, -1, 1)
