@@ -101,7 +101,7 @@ def explain_path(shape: tuple[int, ...], dtype: torch.dtype, causal: bool) -> No
             if (major, minor) == (9, 0) and _build_info.force_sm80()
             else f"compute capability {major}.{minor} runs the Ampere-path kernels"
         )
-        binary = "sm_90a SASS" if arch == 90 else _build_info.binary_for(major, minor)
+        binary = _build_info.binary_for(major, minor)
         print(f"forward and backward: the sm{arch} CUDA kernels on {device}{pad} ({why_arch}; {binary})")
         print("sliding windows, softcap, attn_varlen: on the same kernels")
     else:

@@ -39,11 +39,13 @@ def decode_available(q: Tensor) -> tuple[bool, str]:
     return True, ""
 
 
-def use_decode_for_attn(q: Tensor, k: Tensor, num_splits: int) -> bool:
-    """`attn`'s choice, for a call the kernels serve (`_kernel_plan` said so): the decode kernel for short
-    query blocks, or whenever a split count is forced, if its exact head dim is built."""
-    rows = q.shape[1] * (q.shape[2] // k.shape[2])
-    return (rows <= DECODE_MAX_ROWS or num_splits > 1) and q.shape[-1] in _build_info.HDIMS
+def use_decode(seqlen_q: int, nheads_q: int, nheads_kv: int, head_dim: int, num_splits: int) -> bool:
+    """`attn`'s and `attn_varlen`'s choice, for a call the kernels serve (`_kernel_plan` said so): the decode
+    kernel for short query blocks (seqlen_q: the longest one), or whenever a split count is forced, if its
+    exact head dim is built."""
+    rows = seqlen_q * (nheads_q // nheads_kv)
+    short = seqlen_q > 0 and (rows <= DECODE_MAX_ROWS or num_splits > 1)
+    return short and head_dim in _build_info.HDIMS
 
 
 def decode_into(

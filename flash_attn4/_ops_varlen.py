@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from flash_attn4 import _build_info, _ops_kvcache, _varlen_decode, reference
+from flash_attn4 import _ops_kvcache, _varlen_decode, reference
 from flash_attn4._ops import _kernel_plan, _lse_dtype, _Plan, _tma_ready, _warn_once, bwd_into, fwd_into
 
 # Variable-length (packed) batches. The kernels serve them (they read cu_seqlens on the device, so there is no
@@ -71,7 +71,9 @@ def fwd_varlen(
     split-KV decode kernel (`_varlen_decode`); its out and lse feed the same backward.
     """
     plan, why = _varlen_plan(q, k, max_seqlen_q, max_seqlen_k, causal, window_left, window_right, v.shape[-1])
-    if plan is not None and _use_decode(q, k, max_seqlen_q, num_splits):
+    if plan is not None and _ops_kvcache.use_decode(
+        max_seqlen_q, q.shape[1], k.shape[1], q.shape[2], num_splits
+    ):
         return _decode_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                               softmax_scale, plan, softcap, num_splits)  # fmt: skip
     if plan is not None:
@@ -105,13 +107,6 @@ def fwd_varlen(
         softcap=softcap,
     )
     return out.contiguous(), lse.contiguous()
-
-
-def _use_decode(q: Tensor, k: Tensor, max_seqlen_q: int, num_splits: int) -> bool:
-    """As `attn` chooses: the decode kernel (exact head dim built) for short query blocks or forced splits."""
-    rows = max_seqlen_q * (q.shape[1] // k.shape[1])
-    short = 0 < max_seqlen_q and (rows <= _ops_kvcache.DECODE_MAX_ROWS or num_splits > 1)
-    return short and q.shape[-1] in _build_info.HDIMS
 
 
 def _decode_varlen(q, k, v, cu_q, cu_k, used_q, used_k, max_q, softmax_scale, plan, softcap, num_splits):

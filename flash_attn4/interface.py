@@ -155,37 +155,38 @@ def _with_sinks(out: Tensor, lse: Tensor, sinks: Tensor, head_dim: int) -> tuple
     return (out.to(weight.dtype) * weight).to(out.dtype), torch.logaddexp(lse, sink)
 
 
-def _validate_block_mask(mask: Any, q: Tensor, k: Tensor) -> None:
+def _validate_block_mask(mask: Any, seqlen_q: int, seqlen_k: int, batch: int, heads: int, device,
+                         lengths: str = "seqlen_q, seqlen_k") -> None:  # fmt: skip
+    """A BlockMask built for (seqlen_q, seqlen_k) (`lengths` names them in the message), batch and heads 1
+    or the call's, on the call's device."""
     if mask is None:
         return
     from flash_attn4.block_mask import BlockMask
 
     if not isinstance(mask, BlockMask):
         raise TypeError(f"block_mask must be a flash_attn4.BlockMask, got {type(mask).__name__}")
-    b, sq, hq, _ = q.shape
-    if (mask.seqlen_q, mask.seqlen_k) != (sq, k.shape[1]):
+    if (mask.seqlen_q, mask.seqlen_k) != (seqlen_q, seqlen_k):
         raise ValueError(
-            f"block_mask was built for seqlen_q {mask.seqlen_q}, seqlen_k {mask.seqlen_k}; this call has "
-            f"{sq} and {k.shape[1]}"
+            f"block_mask was built for seqlen_q {mask.seqlen_q}, seqlen_k {mask.seqlen_k}; this call's "
+            f"({lengths}) are ({seqlen_q}, {seqlen_k})"
         )
     mb, mh = mask.shape
-    if mb not in (1, b) or mh not in (1, hq):
-        raise ValueError(f"block_mask's (batch, heads) {(mb, mh)} must be 1 or this call's {(b, hq)}")
-    if mask.kv_count.device != q.device:
-        raise ValueError(f"block_mask is on {mask.kv_count.device}, q on {q.device}; use block_mask.to(...)")
+    if mb not in (1, batch) or mh not in (1, heads):
+        raise ValueError(f"block_mask's (batch, heads) {(mb, mh)} must be 1 or this call's {(batch, heads)}")
+    if mask.kv_count.device != device:
+        raise ValueError(f"block_mask is on {mask.kv_count.device}, q on {device}; use block_mask.to(...)")
 
 
-def _validate_alibi(slopes: Any, q: Tensor) -> None:
+def _validate_alibi(slopes: Any, batch: int, heads: int, device) -> None:
     if slopes is None:
         return
-    b, _, hq, _ = q.shape
-    if not isinstance(slopes, Tensor) or tuple(slopes.shape) not in ((hq,), (b, hq)):
+    if not isinstance(slopes, Tensor) or tuple(slopes.shape) not in ((heads,), (batch, heads)):
         raise ValueError(
-            f"alibi_slopes must be a (nheads_q,) = ({hq},) or (batch, nheads_q) = ({b}, {hq}) tensor, got "
-            f"{tuple(slopes.shape) if isinstance(slopes, Tensor) else type(slopes).__name__}"
+            f"alibi_slopes must be a (nheads_q,) = ({heads},) or (batch, nheads_q) = ({batch}, {heads}) "
+            f"tensor, got {tuple(slopes.shape) if isinstance(slopes, Tensor) else type(slopes).__name__}"
         )
-    if not slopes.is_floating_point() or slopes.device != q.device:
-        raise TypeError(f"alibi_slopes must be a floating-point tensor on q's device {q.device}")
+    if not slopes.is_floating_point() or slopes.device != device:
+        raise TypeError(f"alibi_slopes must be a floating-point tensor on q's device {device}")
 
 
 def _validate_dropout(p: Any) -> float:
@@ -299,8 +300,8 @@ def attn(
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise TypeError(f"num_splits must be an int >= 0 (0 = choose, 1 = no split), got {num_splits!r}")
     _validate_sinks(sinks, q.shape[2], q.device)
-    _validate_block_mask(block_mask, q, k)
-    _validate_alibi(alibi_slopes, q)
+    _validate_block_mask(block_mask, q.shape[1], k.shape[1], q.shape[0], q.shape[2], q.device)
+    _validate_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device)
     dropout_p = _validate_dropout(dropout_p)
     if block_mask is not None or alibi_slopes is not None or dropout_p > 0:
         out, lse = _general(q, k, v, block_mask, alibi_slopes, dropout_p, softmax_scale, causal, left, right,
@@ -437,25 +438,9 @@ def attn_varlen(
         raise TypeError(f"num_splits must be an int >= 0 (0 = choose, 1 = no split), got {num_splits!r}")
     dropout_p = _validate_dropout(dropout_p)
     batch = cu_seqlens_q.numel() - 1
-    if block_mask is not None:
-        from flash_attn4.block_mask import BlockMask
-
-        if not isinstance(block_mask, BlockMask):
-            raise TypeError(f"block_mask must be a flash_attn4.BlockMask, got {type(block_mask).__name__}")
-        if (
-            (block_mask.seqlen_q, block_mask.seqlen_k) != (max_seqlen_q, max_seqlen_k)
-            or block_mask.shape[0] not in (1, batch)
-            or block_mask.shape[1] not in (1, q.shape[1])
-        ):
-            raise ValueError(
-                f"attn_varlen's block_mask must be built for (max_seqlen_q, max_seqlen_k) = "
-                f"({max_seqlen_q}, {max_seqlen_k}) with batch 1 or {batch} and heads 1 or {q.shape[1]}; got "
-                f"({block_mask.seqlen_q}, {block_mask.seqlen_k}), {block_mask.shape}"
-            )
-        if block_mask.kv_count.device != q.device:
-            raise ValueError(f"block_mask is on {block_mask.kv_count.device}, q on {q.device}")
-    if alibi_slopes is not None:
-        _validate_alibi(alibi_slopes, q.new_empty(batch, 1, q.shape[1], 1))
+    _validate_block_mask(block_mask, max_seqlen_q, max_seqlen_k, batch, q.shape[1], q.device,
+                         "max_seqlen_q, max_seqlen_k")  # fmt: skip
+    _validate_alibi(alibi_slopes, batch, q.shape[1], q.device)
     if dropout_p > 0 or block_mask is not None or alibi_slopes is not None:
         from flash_attn4._reference_general import general_varlen_ref
         from flash_attn4.dropout import draw_seed
