@@ -19,6 +19,7 @@ struct FwdKernelEntry {
   int head_dim;
   bool causal;
   bool local;  // sliding window (BlockMask's kLocal); never together with causal
+  bool sparse;  // walks a block mask's lists (SparseList) instead of the band the mask leaves
   FwdLauncher launch;
   const char* name;
 };
@@ -28,10 +29,12 @@ extern const FwdKernelEntry kFwdKernels[];
 extern const int kNumFwdKernels;
 
 // Returns nullptr when no instantiation matches (the binding turns that into a clear error).
-inline const FwdKernelEntry* find_fwd_kernel(int arch, DType dtype, int head_dim, bool causal, bool local) {
+inline const FwdKernelEntry* find_fwd_kernel(int arch, DType dtype, int head_dim, bool causal, bool local,
+                                             bool sparse = false) {
   for (int i = 0; i < kNumFwdKernels; ++i) {
     const FwdKernelEntry& e = kFwdKernels[i];
-    if (e.arch == arch && e.dtype == dtype && e.head_dim == head_dim && e.causal == causal && e.local == local) {
+    if (e.arch == arch && e.dtype == dtype && e.head_dim == head_dim && e.causal == causal && e.local == local &&
+        e.sparse == sparse) {
       return &e;
     }
   }
@@ -87,7 +90,7 @@ inline const DecodeKernelEntry* find_decode_kernel(DType dtype, int head_dim, bo
 }
 
 // Declared here, defined (and explicitly instantiated, one combination per .cu) in launch/.
-template <int Arch, DType kDType, int kHeadDim, bool kCausal, bool kLocal>
+template <int Arch, DType kDType, int kHeadDim, bool kCausal, bool kLocal, class Iter = DenseBand>
 void run_fwd(const FwdParams& params, cudaStream_t stream);
 template <int Arch, DType kDType, int kHeadDim, bool kCausal, bool kLocal>
 void run_bwd(const BwdParams& params, cudaStream_t stream);

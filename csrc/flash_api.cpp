@@ -119,12 +119,54 @@ Strides strides(const at::Tensor& t) {
   return t.dim() == 4 ? Strides{t.stride(0), t.stride(1), t.stride(2)} : Strides{0, t.stride(0), t.stride(1)};
 }
 
+// A block mask's lists (flash_attn4/block_mask.py) into p.block_sparse: counts (B, H, nq) and indices
+// (B, H, nq, nk) int32 on q's device, B / H 1 (broadcast) or the call's, nq / nk the 128-row blocks of
+// seqlen_q / seqlen_k. Values are not read here (the kernel clamps them).
+bool set_block_sparse(flash4::FwdParams& p, const OptTensor& kv_count, const OptTensor& kv_index,
+                      const OptTensor& full_count, const OptTensor& full_index, const Options& o, int64_t nheads_q,
+                      const at::Tensor& q) {
+  const int given = kv_count.has_value() + kv_index.has_value() + full_count.has_value() + full_index.has_value();
+  if (given == 0) return false;
+  TORCH_CHECK(given == 4, "flash_attn4: a block mask needs all four lists (kv_count/index, full_count/index)");
+  TORCH_CHECK(!o.packed, "flash_attn4: the block-sparse kernels take fixed-length batches (no cu_seqlens)");
+  const int64_t nq = (o.seqlen_q + flash4::kMaskBlock - 1) / flash4::kMaskBlock;
+  const int64_t nk = (o.seqlen_k + flash4::kMaskBlock - 1) / flash4::kMaskBlock;
+  auto check = [&](const at::Tensor& t, const char* name, int dims, int64_t last) {
+    TORCH_CHECK(t.is_cuda() && t.device() == q.device() && t.scalar_type() == at::kInt && t.dim() == dims &&
+                    (t.size(0) == 1 || t.size(0) == o.batch) && (t.size(1) == 1 || t.size(1) == nheads_q) &&
+                    t.size(2) == nq && t.size(dims - 1) == last && t.stride(dims - 1) == 1,
+                std::string("flash_attn4: block mask ") + name + " must be an int32 tensor on q's device of shape (" +
+                    "1 or " + str(o.batch) + ", 1 or " + str(nheads_q) + ", " + str(nq) +
+                    (dims == 4 ? ", " + str(nk) : std::string()) + ") with a contiguous last dim, got " +
+                    str(t.sizes()));
+  };
+  check(*kv_count, "kv_count", 3, nq);
+  check(*full_count, "full_count", 3, nq);
+  check(*kv_index, "kv_index", 4, nk);
+  check(*full_index, "full_index", 4, nk);
+  TORCH_CHECK(kv_count->strides() == full_count->strides() && kv_index->strides() == full_index->strides() &&
+                  kv_count->sizes() == full_count->sizes() && kv_index->sizes() == full_index->sizes(),
+              "flash_attn4: the partial and full block lists must share shapes and strides");
+  auto bstride = [](const at::Tensor& t, int d) { return t.size(d) == 1 ? int64_t(0) : t.stride(d); };
+  flash4::BlockSparseParams& b = p.block_sparse;
+  b.kv_count = kv_count->data_ptr<int>(), b.kv_index = kv_index->data_ptr<int>();
+  b.full_count = full_count->data_ptr<int>(), b.full_index = full_index->data_ptr<int>();
+  b.count_batch_stride = bstride(*kv_count, 0), b.count_head_stride = bstride(*kv_count, 1);
+  b.count_row_stride = kv_count->stride(2);
+  b.index_batch_stride = bstride(*kv_index, 0), b.index_head_stride = bstride(*kv_index, 1);
+  b.index_row_stride = kv_index->stride(2);
+  b.num_k_blocks = int(nk);
+  return true;
+}
+
 // Writes softmax(q k^T * scale + mask) v into `out` and the natural-log LSE into `lse`: (batch, hq, sq) for
 // 4-D inputs, (hq, total_q) for packed ones (cu_seqlens given: q (total_q, hq, d), k/v (total_k, hk, d)).
 void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
          double softmax_scale, bool causal, int64_t window_left, int64_t window_right, double softcap,
          const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k, const OptTensor& seqused_q,
-         const OptTensor& seqused_k, int64_t max_seqlen_q, int64_t max_seqlen_k, int64_t kernel_arch) {
+         const OptTensor& seqused_k, int64_t max_seqlen_q, int64_t max_seqlen_k, int64_t kernel_arch,
+         const OptTensor& block_kv_count, const OptTensor& block_kv_index, const OptTensor& block_full_count,
+         const OptTensor& block_full_index) {
   TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda() && out.is_cuda() && lse.is_cuda(),
               "flash_attn4: all tensors must be on a CUDA device");
   TORCH_CHECK(k.device() == q.device() && v.device() == q.device() && out.device() == q.device() &&
@@ -167,14 +209,17 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
 
   const DType kdtype = dtype == at::kBFloat16 ? DType::kBF16 : DType::kFP16;
   check_kernel_arch(q, kernel_arch);
+  flash4::FwdParams p;
+  const bool sparse = set_block_sparse(p, block_kv_count, block_kv_index, block_full_count, block_full_index, o,
+                                       nheads_q, q);
   const flash4::FwdKernelEntry* entry =
-      flash4::find_fwd_kernel(int(kernel_arch), kdtype, int(head_dim), o.causal, o.local);
-  TORCH_CHECK(entry != nullptr, "flash_attn4: no compiled forward kernel for sm" + str(kernel_arch) + ", " +
+      flash4::find_fwd_kernel(int(kernel_arch), kdtype, int(head_dim), o.causal, o.local, sparse);
+  TORCH_CHECK(entry != nullptr, "flash_attn4: no compiled " + std::string(sparse ? "block-sparse " : "") +
+                                    "forward kernel for sm" + str(kernel_arch) + ", " +
                                     (kdtype == DType::kBF16 ? "bf16" : "fp16") + ", head_dim " + str(head_dim) +
                                     ", " + mask_name(o) +
                                     ". Rebuild with that head dim/dtype in FLASH_ATTN4_HDIMS / FLASH_ATTN4_DTYPES.");
 
-  flash4::FwdParams p;
   set_options(p, o);
   p.q = q.data_ptr();
   p.k = k.data_ptr();
@@ -335,7 +380,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("lse"), py::arg("softmax_scale"), py::arg("causal"), py::arg("window_left") = -1,
         py::arg("window_right") = -1, py::arg("softcap") = 0.0, py::arg("cu_seqlens_q") = py::none(),
         py::arg("cu_seqlens_k") = py::none(), py::arg("seqused_q") = py::none(), py::arg("seqused_k") = py::none(),
-        py::arg("max_seqlen_q") = 0, py::arg("max_seqlen_k") = 0, py::arg("kernel_arch") = 0);
+        py::arg("max_seqlen_q") = 0, py::arg("max_seqlen_k") = 0, py::arg("kernel_arch") = 0,
+        py::arg("block_kv_count") = py::none(), py::arg("block_kv_index") = py::none(),
+        py::arg("block_full_count") = py::none(), py::arg("block_full_index") = py::none());
   m.def("bwd", &bwd, "Attention backward into preallocated dq/dk/dv", py::arg("dout"), py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
         py::arg("softmax_scale"), py::arg("causal"), py::arg("deterministic") = false, py::arg("dlse") = py::none(),

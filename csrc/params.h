@@ -60,6 +60,27 @@ struct SeqMaskParams {
   unsigned long long* trace = nullptr;
 };
 
+// Block iterators of the forward (common/block_sparse.hpp): the band a causal / window mask leaves, or a
+// block mask's index lists. Tags only; the dispatch table keys on them.
+struct DenseBand {};
+struct SparseList {};
+
+// Keys (and queries) per block of a block mask (flash_attn4/block_mask.py): the sm90 forward's query tile,
+// and a multiple of its kBlockN.
+constexpr int kMaskBlock = 128;
+
+// A block mask's lists (common/block_sparse.hpp): counts (B, H, nq) and indices (B, H, nq, nk) int32,
+// strides in elements (0 for a broadcast batch or head), last dim contiguous. All null for a dense call.
+struct BlockSparseParams {
+  const int* kv_count = nullptr;  // partial blocks (with the element mask)
+  const int* kv_index = nullptr;
+  const int* full_count = nullptr;  // full blocks (without it)
+  const int* full_index = nullptr;
+  int64_t count_batch_stride = 0, count_head_stride = 0, count_row_stride = 0;
+  int64_t index_batch_stride = 0, index_head_stride = 0, index_row_stride = 0;
+  int num_k_blocks = 0;  // nk: the lists' length, ceil(seqlen_k / kMaskBlock)
+};
+
 struct FwdParams : SeqMaskParams {
   // q: (batch, seqlen_q, nheads_q, head_dim); k, v: (batch, seqlen_k, nheads_kv, head_dim).
   // The last dim is contiguous; batch/row/head strides are arbitrary multiples of 8 elements
@@ -86,6 +107,9 @@ struct FwdParams : SeqMaskParams {
   int nheads_q = 0;
   int nheads_kv = 0;  // nheads_q % nheads_kv == 0 (GQA/MQA)
   int head_dim = 0;   // equals the instantiation's head dim
+
+  // Read by the block-sparse instantiations only (SparseList).
+  BlockSparseParams block_sparse;
 
   DType dtype = DType::kBF16;
 };

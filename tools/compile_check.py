@@ -62,7 +62,9 @@ def main() -> int:
     ap.add_argument("--causal", action="store_true", help="same as --mask causal")
     ap.add_argument("--mask", choices=("none", "causal", "local"), default="none")
     ap.add_argument(
-        "--only", help="comma-separated subset of fwd90,bwd90,fwd80,bwd80,decode,decode_paged (default: all)"
+        "--only",
+        help="comma-separated subset of fwd90,bwd90,fwd80,bwd80,decode,decode_paged,fwd90sparse (default: "
+        "all but fwd90sparse, the block-sparse forward)",
     )
     ap.add_argument("--keep", type=Path, help="keep the objects in this folder (for tools/sass_stats.py)")
     ap.add_argument(
@@ -81,20 +83,29 @@ def main() -> int:
     wanted = set((args.only or "fwd90,bwd90,fwd80,bwd80,decode,decode_paged").split(","))
     # (kernel, arch, spill-budget key); the decode family compiles for sm_80 (and sm_90a with --also-sm90).
     # The sm90 family compiles for sm_90a, the Ampere-path and decode families for --target.
-    kernels = [
-        (k, 90 if k.arch == 90 else args.target, (k.direction, k.arch))
-        for name in ("fwd90", "bwd90", "fwd80", "bwd80")
-        if name in wanted
-        for k in [generate_kernels.Kernel(name[:3], int(name[3:]), args.dtype, args.hdim, causal, local)]
-    ] + [
-        (
-            generate_kernels.DecodeKernel(args.dtype, args.hdim, name == "decode_paged"),
-            args.target,
-            ("decode", 80),
-        )
-        for name in ("decode", "decode_paged")
-        if name in wanted
-    ]
+    kernels = (
+        [
+            (k, 90 if k.arch == 90 else args.target, (k.direction, k.arch))
+            for name in ("fwd90", "bwd90", "fwd80", "bwd80")
+            if name in wanted
+            for k in [generate_kernels.Kernel(name[:3], int(name[3:]), args.dtype, args.hdim, causal, local)]
+        ]
+        + [
+            (k, 90, ("fwd", 90))
+            for name in ("fwd90sparse",)
+            if name in wanted
+            for k in [generate_kernels.Kernel("fwd", 90, args.dtype, args.hdim, causal, local, sparse=True)]
+        ]
+        + [
+            (
+                generate_kernels.DecodeKernel(args.dtype, args.hdim, name == "decode_paged"),
+                args.target,
+                ("decode", 80),
+            )
+            for name in ("decode", "decode_paged")
+            if name in wanted
+        ]
+    )
     failed = False
     with tempfile.TemporaryDirectory() as tmp:
         for kernel, arch, budget_key in kernels:

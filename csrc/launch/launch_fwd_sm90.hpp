@@ -11,11 +11,21 @@
 
 namespace flash4 {
 
-template <DType kDType, int kHeadDim, bool kCausal, bool kLocal>
+template <DType kDType, int kHeadDim, bool kCausal, bool kLocal, class Iter = DenseBand>
 void run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   // Windows mask on both sides: they take the causal tiles (smaller kBlockN, fewer registers for masks).
-  constexpr FwdTileSm90 tile = fwd_tile_sm90(kHeadDim, kCausal || kLocal);
+  // Block-sparse kernels too: their kBlockN must divide the mask's 128-key blocks (causal tiles: 128 up to
+  // head dim 128, 64 at 256).
+  constexpr FwdTileSm90 tile = fwd_tile_sm90(kHeadDim, kCausal || kLocal || kIsSparse<Iter>);
   using Traits = FwdTraitsSm90<CutlassElement<kDType>, kHeadDim, tile.block_m, tile.block_n, tile.stages>;
+  if constexpr (kIsSparse<Iter>) {
+    if (p.softcap > 0.f) {
+      launch_sm90<FwdKernelSm90<Traits, kCausal, kLocal, true, Iter>>(p, stream, "block-sparse forward (softcap)");
+    } else {
+      launch_sm90<FwdKernelSm90<Traits, kCausal, kLocal, false, Iter>>(p, stream, "block-sparse forward launch");
+    }
+    return;
+  }
   // Softcap is its own kernel (see MainloopFwdSm90), chosen here so the dispatch table stays per mask.
   // Sliding windows of fixed-length batches at head dims 64 and 128, when the window is at most half the
   // sequence (so that nearly every tile costs the same), take the persistent kernel: H200, window 4096 at 32k,

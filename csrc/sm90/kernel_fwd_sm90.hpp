@@ -21,10 +21,12 @@ namespace flash4 {
 
 using namespace cute;
 
-template <class Traits_, bool kCausal, bool kLocal, bool kSoftcap>
+// Iter: the block iterator (common/block_sparse.hpp); SparseList walks a block mask's lists.
+template <class Traits_, bool kCausal, bool kLocal, bool kSoftcap, class Iter = DenseBand>
 struct FwdKernelSm90 {
   using Traits = Traits_;
-  using Mainloop = MainloopFwdSm90<Traits, kCausal, kLocal, kSoftcap>;
+  using Mainloop = MainloopFwdSm90<Traits, kCausal, kLocal, kSoftcap, Iter>;
+  static constexpr bool kSparse = Mainloop::kSparse;
   using Epilogue = EpilogueFwdSm90<Traits>;
   using SharedStorage = typename Traits::SharedStorage;
   static constexpr int kNumThreads = Traits::kNumThreads;
@@ -96,7 +98,13 @@ struct FwdKernelSm90 {
     // Packed batches: the grid covers the longest sequence; tiles past this one's end have nothing to do.
     if (m_block * kBlockM >= seq.seqlen_q) return;
     const auto bm = Mainloop::block_mask(params.mainloop, seq);
-    const int n_block_min = bm.n_block_min(m_block), n_block_max = bm.n_block_max(m_block);
+    const auto walk = Mainloop::walk(params.mainloop, seq, bidb, bidh, m_block);
+    int n_block_min = 0, n_block_max = 0;  // virtual blocks (Mainloop::walk)
+    if constexpr (kSparse) {
+      n_block_max = walk.count();
+    } else {
+      n_block_min = bm.n_block_min(m_block), n_block_max = bm.n_block_max(m_block);
+    }
     const bool any_key = n_block_max > n_block_min;
     if (threadIdx.x == 0) trace_info(params.trace, linear, uint32_t(n_block_max - n_block_min));
 
@@ -108,14 +116,15 @@ struct FwdKernelSm90 {
           trace.stamp(TraceSlot::kProducerIssued);
           // Head dims > 128 leave it out: there it spilled 8 B in the 24-register producer, and their tiles,
           // longer in time, hide less of a tile's start (not measured).
-          if constexpr (Traits::kHeadDim <= 128) {
+          // A sparse tile's first block is a list lookup away: not prefetched.
+          if constexpr (Traits::kHeadDim <= 128 && !kSparse) {
             if (params.prefetch_ahead > 0) prefetch_tile(params, mainloop, smem, linear + params.prefetch_ahead);
           }
         };
         if (any_key) {
           auto state = cutlass::make_producer_start_state<typename Traits::PipelineK>();
           mainloop.load(params.mainloop, pipeline_k, pipeline_v, smem, m_block, bidh, seq, n_block_min, n_block_max,
-                        state, [] {}, prefetch_next);
+                        state, [] {}, prefetch_next, walk);
         } else {
           prefetch_next();
         }
@@ -133,7 +142,7 @@ struct FwdKernelSm90 {
         typename Traits::PipelineState read;
         mainloop.mma(params.mainloop, pipeline_k, pipeline_v, smem, tOrO, softmax, lse, params.lse_scale,
                      thread_idx, m_block, bm, n_block_min, n_block_max, read, /*q_phase=*/0, /*first_mma=*/true,
-                     trace, [] {});
+                     trace, [] {}, walk);
       } else {
         clear(tOrO);  // no key visible to any row of this tile: out = 0, lse = -inf
         softmax.finalize(params.lse_scale, lse);

@@ -15,6 +15,7 @@
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
 #include "../common/block_info.hpp"
+#include "../common/block_sparse.hpp"
 #include "../common/mask.hpp"
 #include "../common/softmax.hpp"
 #include "../common/trace.hpp"
@@ -27,7 +28,8 @@ using namespace cute;
 
 // kSoftcap: a compile-time switch (the launcher picks the instantiation at run time) because a uniform
 // run-time branch in the loop cost the plain kernels 4-5% (H200, hdim 64-256).
-template <class Traits, bool kCausal, bool kLocal, bool kSoftcap>
+// Iter: the block iterator (common/block_sparse.hpp), DenseBand or SparseList.
+template <class Traits, bool kCausal, bool kLocal, bool kSoftcap, class Iter = DenseBand>
 struct MainloopFwdSm90 {
   using Element = typename Traits::Element;
   static constexpr int kBlockM = Traits::kBlockM;
@@ -40,6 +42,8 @@ struct MainloopFwdSm90 {
   // after the softmax: O holds 128 registers there and the softmax tail is already long.
   static constexpr bool kRescaleBeforeGemm = kHeadDim > 128;
   using Mask = BlockMask<kBlockM, kBlockN, kCausal, kLocal>;
+  static constexpr bool kSparse = kIsSparse<Iter>;
+  using Walk = std::conditional_t<kSparse, SparseWalk<kBlockN>, DenseWalk>;
 
   // Global tensors as (seqlen, head_dim, heads, batch); V is also viewed transposed as
   // (head_dim, seqlen, heads, batch) so its TMA box lands in the MN-major layout the PV GEMM reads.
@@ -71,6 +75,7 @@ struct MainloopFwdSm90 {
     const int* cu_seqlens_k;
     const int* seqused_q;
     const int* seqused_k;
+    BlockSparseParams block_sparse;
   };
 
   static Params to_params(FwdParams const& p) {
@@ -102,7 +107,8 @@ struct MainloopFwdSm90 {
             p.cu_seqlens_q,
             p.cu_seqlens_k,
             p.seqused_q,
-            p.seqused_k};
+            p.seqused_k,
+            p.block_sparse};
   }
 
   CUTE_DEVICE static SeqInfo seq_info(Params const& params, int bidb) {
@@ -111,6 +117,15 @@ struct MainloopFwdSm90 {
   }
   CUTE_DEVICE static Mask block_mask(Params const& params, SeqInfo const& seq) {
     return Mask(seq.seqlen_q, seq.seqlen_k, params.window_left, params.window_right);
+  }
+  // The tile's walk over key blocks; the mainloop visits virtual blocks [0, walk_count) from the top down
+  // (the dense band's are the blocks themselves, [n_block_min, n_block_max)).
+  CUTE_DEVICE static Walk walk(Params const& params, SeqInfo const& seq, int bidb, int bidh, int m_block) {
+    if constexpr (kSparse) {
+      return Walk(params.block_sparse, bidb, bidh, m_block, seq.seqlen_k);
+    } else {
+      return Walk{};
+    }
   }
 
   // The K and V pipelines of a CTA, thread 0 of the producer warpgroup their producer, one release per
@@ -173,7 +188,7 @@ struct MainloopFwdSm90 {
   CUTE_DEVICE void load(Params const& params, typename Traits::PipelineK& pipeline_k,
                         typename Traits::PipelineV& pipeline_v, SharedStorage& smem, int m_block, int bidh,
                         SeqInfo const& seq, int n_block_min, int n_block_max, typename Traits::PipelineState& state,
-                        BeforeQ&& before_q, AfterFirst&& after_first) const {
+                        BeforeQ&& before_q, AfterFirst&& after_first, Walk const& walk = Walk()) const {
     auto [tQ, tK, tV] = tma_views(params, smem, m_block, bidh, seq);
     Tensor tQgQ = get<0>(tQ);
     Tensor tQsQ = get<1>(tQ);
@@ -182,13 +197,16 @@ struct MainloopFwdSm90 {
     Tensor tVgV = get<0>(tV);
     Tensor tVsV = get<1>(tV);
 
+    // n_block: a virtual block (see walk()).
     auto load_k = [&](int n_block) {
       pipeline_k.producer_acquire(state);
-      copy(params.tma_k.with(*pipeline_k.producer_get_barrier(state)), tKgK(_, n_block), tKsK(_, state.index()));
+      copy(params.tma_k.with(*pipeline_k.producer_get_barrier(state)), tKgK(_, walk.block(n_block)),
+           tKsK(_, state.index()));
     };
     auto load_v = [&](int n_block, typename Traits::PipelineState const& st) {
       pipeline_v.producer_acquire(st);
-      copy(params.tma_v.with(*pipeline_v.producer_get_barrier(st)), tVgV(_, n_block), tVsV(_, st.index()));
+      copy(params.tma_v.with(*pipeline_v.producer_get_barrier(st)), tVgV(_, walk.block(n_block)),
+           tVsV(_, st.index()));
     };
 
     using BarrierT = cutlass::arch::ClusterTransactionBarrier::ValueType;
@@ -220,7 +238,7 @@ struct MainloopFwdSm90 {
                        typename Traits::PipelineV& pipeline_v, SharedStorage& smem, FragO& tOrO, Softmax& softmax,
                        LSE& lse, float lse_scale, int thread_idx, int m_block, Mask const& bm, int n_block_min,
                        int n_block_max, typename Traits::PipelineState& read, int q_phase, bool first_mma,
-                       TraceRow const& trace, QDone&& q_done) const {
+                       TraceRow const& trace, QDone&& q_done, Walk const& walk = Walk()) const {
     typename Traits::TiledMmaQK tiled_mma_qk;
     typename Traits::TiledMmaPV tiled_mma_pv;
     auto thr_mma_qk = tiled_mma_qk.get_thread_slice(thread_idx);
@@ -250,7 +268,19 @@ struct MainloopFwdSm90 {
       if (thread_idx % 128 == 0) pipeline.consumer_release(state);
     };
     const int row0 = m_block * kBlockM;
-    auto mask = [&](int n_block) { apply_mask(tSrS_rc, tScS_rc, row0, n_block * kBlockN, bm); };
+    // v: a virtual block. A sparse walk's full blocks take only the key-length mask.
+    auto mask = [&](int v) {
+      if constexpr (kSparse) {
+        const int col0 = walk.block(v) * kBlockN;
+        if (walk.is_partial(v)) {
+          apply_mask(tSrS_rc, tScS_rc, row0, col0, bm);
+        } else {
+          apply_mask(tSrS_rc, tScS_rc, row0, col0, BlockMask<kBlockM, kBlockN, false, false>(bm.seqlen_q, bm.seqlen_k, 0, 0));
+        }
+      } else {
+        apply_mask(tSrS_rc, tScS_rc, row0, v * kBlockN, bm);
+      }
+    };
     auto softcap = [&] {
       if constexpr (kSoftcap) apply_softcap(tSrS, params.softcap_scale);
     };
@@ -324,7 +354,16 @@ struct MainloopFwdSm90 {
     // one loop whose (uniform) branch picks the masked or the mask-free copy of step(): each copy keeps a
     // single call site, since a third one makes nvcc outline step() and the GEMM registers spill around it.
     --n_block;
-    if constexpr (kLocal) {
+    if constexpr (kSparse) {
+      // Partial blocks (on top) take the element mask; a full block only where it holds the key end.
+      for (; n_block >= 0; --n_block) {
+        if (walk.is_partial(n_block) || (walk.block(n_block) + 1) * kBlockN > bm.seqlen_k) {
+          step(n_block, cute::true_type{});
+        } else {
+          step(n_block, cute::false_type{});
+        }
+      }
+    } else if constexpr (kLocal) {
       const int right_mask_min = bm.n_block_right_mask_min(m_block);
       const int left_mask_max = bm.n_block_left_mask_max(m_block);
       for (; n_block >= n_block_min; --n_block) {
