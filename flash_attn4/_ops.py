@@ -155,6 +155,7 @@ def fwd_into(
     *,
     softcap: float = 0.0,
     varlen: Optional[dict] = None,
+    blocks: Optional[dict] = None,
 ) -> None:
     """Run the compiled forward kernel, writing `out` and `lse`.
 
@@ -167,6 +168,7 @@ def fwd_into(
         softmax_scale: for the ORIGINAL head dim (padding below must not change it).
         plan: from `_kernel_plan` (kernel family and mask).
         varlen: cu_seqlens_q/k, seqused_q/k, max_seqlen_q/k for `_C.fwd`.
+        blocks: a block mask's lists (block_kv_count, ...) for `_C.fwd`'s block-sparse kernels.
     """
     ext, why = _build_info.load_extension()
     if ext is None:
@@ -196,6 +198,7 @@ def fwd_into(
         float(softmax_scale),
         bool(plan.causal),
         **_kernel_options(plan, softcap, varlen),
+        **(blocks or {}),
     )
     if out_k is not out:
         out.copy_(out_k[..., :d])
@@ -438,4 +441,4 @@ fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 # The packed-batch ops live beside these (registered on import, as these are).
-from flash_attn4 import _ops_kvcache, _ops_varlen  # noqa: E402, F401
+from flash_attn4 import _ops_kvcache, _ops_sparse, _ops_varlen  # noqa: E402, F401

@@ -115,3 +115,53 @@ def general_varlen_ref(
         out = out.index_copy(0, rows, o[0])
         lse = lse.index_copy(1, rows, l_[0].to(cdt))
     return out, lse
+
+
+def block_sparse_bwd_ref(
+    dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, *, block_mask, causal: bool,
+    softmax_scale: float, window_size: tuple[int, int], softcap: float,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """Gradients of general_attention_ref with a block mask (no ALiBi, no dropout), written out rather than
+    taken through autograd (a custom op's implementation runs below autograd): per block of query rows,
+    P from the recomputed scores, dV += P^T dO, dS = P (dP - (rowsum(dO O) - dlse)) (times 1 - tanh^2 under
+    softcap), dQ = scale dS K, dK += scale dS^T Q; GQA heads summed into their kv head. Returns dq, dk, dv in
+    the inputs' dtypes (float32 math, float64 for float64 inputs)."""
+    b, sq, hq, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    g = hq // hk
+    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qt = q.transpose(1, 2).to(cdt)
+    kt = k.transpose(1, 2).to(cdt).repeat_interleave(g, dim=1)
+    vt = v.transpose(1, 2).to(cdt).repeat_interleave(g, dim=1)
+    dot = dout.transpose(1, 2).to(cdt)
+    partial, full = block_mask.to_dense()
+    blk = block_mask.block_size
+    col_block = torch.arange(sk, device=q.device) // blk
+    dq = torch.zeros_like(qt)
+    dk = torch.zeros(b, hq, sk, d, dtype=cdt, device=q.device)
+    dv = torch.zeros(b, hq, sk, v.shape[-1], dtype=cdt, device=q.device)
+    for qb in range(math.ceil(sq / blk)):
+        r0, r1 = qb * blk, min(sq, (qb + 1) * blk)
+        elem = _builtin(sq, sk, causal, window_size, q.device, rows=torch.arange(r0, r1, device=q.device))
+        seen = full[:, :, qb, col_block][:, :, None, :] | (partial[:, :, qb, col_block][:, :, None, :] & elem)
+        seen = seen.expand(b, hq, -1, -1)
+        s = torch.matmul(qt[:, :, r0:r1], kt.transpose(-1, -2)) * softmax_scale
+        th = torch.tanh(s / softcap) if softcap else None
+        t = (softcap * th if softcap else s).masked_fill(~seen, -math.inf)
+        empty = ~seen.any(dim=-1)
+        lse = torch.logsumexp(torch.where(empty[..., None], torch.zeros_like(t), t), dim=-1)
+        p = torch.exp(t - lse[..., None])  # 0 where masked (and on empty rows)
+        do = dot[:, :, r0:r1]
+        dv += torch.matmul(p.transpose(-1, -2), do)
+        delta = (do * torch.matmul(p, vt)).sum(-1)
+        if dlse is not None:
+            delta = delta - dlse[:, :, r0:r1].to(cdt).masked_fill(empty, 0)
+        ds = p * (torch.matmul(do, vt.transpose(-1, -2)) - delta[..., None])
+        if softcap:
+            ds = ds * (1 - th * th)
+        ds = ds * softmax_scale
+        dq[:, :, r0:r1] = torch.matmul(ds, kt)
+        dk += torch.matmul(ds.transpose(-1, -2), qt[:, :, r0:r1])
+    dk = dk.view(b, hk, g, sk, d).sum(2)
+    dv = dv.view(b, hk, g, sk, -1).sum(2)
+    return (dq.transpose(1, 2).to(q.dtype), dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype))

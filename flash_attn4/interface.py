@@ -204,6 +204,24 @@ def _warn_reference(q: Tensor, **options: Any) -> None:
         )
 
 
+def _block_sparse_kernel(q, k, v, block_mask, causal, left, right) -> bool:
+    """Whether attn(block_mask=...) runs the block-sparse forward kernel (the backward then recomputes through
+    the reference: no block-sparse backward kernel yet). A CUDA call the kernel cannot take warns once why."""
+    if not q.is_cuda:
+        return False
+    from flash_attn4 import _ops_sparse
+
+    plan, why = _ops_sparse.kernel_plan(q, k, v, block_mask.block_size, causal, left, right)
+    if plan is None and why:
+        _ops._warn_once(why)
+    if plan is not None and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        _ops._warn_once(
+            "flash_attn4: block_mask has no backward kernel yet; its gradients recompute through the PyTorch "
+            "reference (at dense cost or more)"
+        )
+    return plan is not None
+
+
 def _general(q, k, v, block_mask, alibi_slopes, dropout_p, softmax_scale, causal, left, right, softcap):
     """The options no kernel runs yet (block masks, ALiBi, dropout): the PyTorch reference, with a warning
     on CUDA. Dropout draws its (seed, offset) from torch's generator (flash_attn4.dropout)."""
@@ -261,7 +279,9 @@ def attn(
             denominator gets exp(sinks[h]) more, with no value behind it; gradients flow to sinks. lse then
             includes the sink (a row that sees no key gets out = 0, lse = sinks[h]).
         block_mask: optional `flash_attn4.BlockMask`: only its blocks are computed, its partial blocks with
-            the causal / window mask, its full blocks without (see flash_attn4.block_mask).
+            the causal / window mask, its full blocks without (see flash_attn4.block_mask). The sm90
+            forward skips the other blocks (head dims 64 / 96 / 128 / 256); the backward recomputes
+            through the reference.
         alibi_slopes: optional (nheads_q,) or (batch, nheads_q) ALiBi slopes: the logit of query i and key j
             gets -slope * |i + seqlen_k - seqlen_q - j| (after softcap).
         dropout_p: attention dropout for training (pass 0.0 at inference): each probability is dropped
@@ -303,7 +323,17 @@ def attn(
     _validate_block_mask(block_mask, q.shape[1], k.shape[1], q.shape[0], q.shape[2], q.device)
     _validate_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device)
     dropout_p = _validate_dropout(dropout_p)
-    if block_mask is not None or alibi_slopes is not None or dropout_p > 0:
+    if (
+        block_mask is not None
+        and alibi_slopes is None
+        and dropout_p == 0
+        and _block_sparse_kernel(q, k, v, block_mask, causal, left, right)
+    ):
+        out, lse = torch.ops.flash_attn4.fwd_block_sparse(
+            q, k, v, block_mask.kv_count, block_mask.kv_index, block_mask.full_count, block_mask.full_index,
+            softmax_scale, causal, left, right, softcap,
+        )  # fmt: skip
+    elif block_mask is not None or alibi_slopes is not None or dropout_p > 0:
         out, lse = _general(q, k, v, block_mask, alibi_slopes, dropout_p, softmax_scale, causal, left, right,
                             softcap)  # fmt: skip
     else:

@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""Block-sparse attention forward: flash_attn4 with a BlockMask beside flash_attn4 dense, FlexAttention
+(compiled, the same block mask) and FlashAttention-4's block-sparse path (when importable), in one run.
+
+    python3 benchmarks/bench_sparse.py            # writes benchmarks/results/<gpu>_sparse.json
+
+Shape: batch 1, 32768 tokens, 16 heads, head dim 128, bf16, not causal. Masks: each (head, query block)
+keeps a random `density` share of the 128 x 128 key blocks (seeded), all of them full blocks (no element
+mask inside), plus the diagonal block so that no row is empty. Times: do_bench medians, implementations
+alternating for --rounds rounds, the median round kept; `vs_dense` = our dense time / this time.
+The estimator row times estimate_block_mask(q, k, density=0.1) against our dense forward.
+The backward is not timed: flash_attn4's block-sparse backward still runs the PyTorch reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+from bench_fwd import RESULTS, _import_flash_attn4, bench_ms, gpu_slug, sm_clock_mhz
+
+S, H, D, BLK = 32768, 16, 128, 128
+
+
+def random_blocks(density: float, seed: int) -> torch.Tensor:
+    n = S // BLK
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    blocks = torch.rand(1, H, n, n, device="cuda", generator=g) < density
+    return blocks | torch.eye(n, dtype=torch.bool, device="cuda")
+
+
+def impls(q, k, v, blocks):
+    """name -> zero-argument forward callable (or the reason it cannot run)."""
+    import flash_attn4
+
+    mask = flash_attn4.BlockMask.from_dense(blocks, S, S, full=blocks)
+    out = {"flash_attn4_dense": lambda: flash_attn4.attn(q, k, v),
+           "flash_attn4_sparse": lambda: flash_attn4.attn(q, k, v, block_mask=mask)}  # fmt: skip
+    try:
+        from torch.nn.attention.flex_attention import BlockMask as FlexMask
+        from torch.nn.attention.flex_attention import flex_attention
+
+        empty = torch.zeros_like(mask.full_count)
+        fm = FlexMask.from_kv_blocks(empty, torch.zeros_like(mask.full_index), mask.full_count,
+                                     mask.full_index, BLOCK_SIZE=BLK, seq_lengths=(S, S))  # fmt: skip
+        flex = torch.compile(flex_attention, dynamic=False)
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        flex(qt, kt, vt, block_mask=fm)
+        out["flex_compiled"] = lambda: flex(qt, kt, vt, block_mask=fm)
+    except Exception as e:  # noqa: BLE001 - an anchor that cannot run is reported, not fatal
+        out["flex_compiled"] = f"{type(e).__name__}: {str(e)[:200]}"
+    try:
+        from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+        from flash_attn.cute.interface import flash_attn_func
+
+        zc = torch.zeros_like(mask.full_count)
+        bst = BlockSparseTensorsTorch(zc, torch.zeros_like(mask.full_index), mask.full_count, mask.full_index,
+                                      block_size=(BLK, BLK))  # fmt: skip
+        flash_attn_func(q, k, v, block_sparse_tensors=bst)
+        out["fa4_cute_sparse"] = lambda: flash_attn_func(q, k, v, block_sparse_tensors=bst)
+    except Exception as e:  # noqa: BLE001
+        out["fa4_cute_sparse"] = f"{type(e).__name__}: {str(e)[:200]}"
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--densities", default="0.05,0.1,0.25,0.5")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=25)
+    ap.add_argument("--rep", type=int, default=100)
+    ap.add_argument("--no-save", action="store_true")
+    args = ap.parse_args()
+    _import_flash_attn4()
+    import flash_attn4
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"))
+    base = dict(hdim=D, seqlen=S, causal=False, batch=1, nheads=H, dtype="bf16")
+    records, clocks = [], []
+    for density in (float(x) for x in args.densities.split(",")):
+        blocks = random_blocks(density, seed=int(density * 1000))
+        real = blocks.float().mean().item()  # the share actually computed (the diagonal included)
+        fns = impls(q, k, v, blocks)
+        times = {n: [] for n, f in fns.items() if callable(f)}
+        for r in range(args.rounds):
+            for name in list(times)[:: 1 if r % 2 == 0 else -1]:
+                times[name].append(bench_ms(fns[name], args.warmup, args.rep))
+            clocks.append(sm_clock_mhz())
+        med = {n: statistics.median(t) for n, t in times.items()}
+        dense = med["flash_attn4_dense"]
+        line = f"density {density:.2f} (computed {real:.3f}):"
+        for name, f in fns.items():
+            if not callable(f):
+                line += f"  {name}: {f}"
+                records.append(dict(impl=name, density=real, error=f, **base))
+                continue
+            ms = med[name]
+            line += f"  {name} {ms:.2f} ms ({dense / ms:.2f}x dense)"
+            records.append(dict(impl=name, density=real, fwd_ms=ms, fwd_ms_rounds=times[name],
+                                vs_dense=dense / ms, **base))  # fmt: skip
+        print(line, flush=True)
+    est = bench_ms(lambda: flash_attn4.estimate_block_mask(q, k, density=0.1), args.warmup, args.rep)
+    dense = bench_ms(lambda: flash_attn4.attn(q, k, v), args.warmup, args.rep)
+    print(f"estimate_block_mask(density=0.1): {est:.3f} ms = {est / dense:.1%} of the dense forward")
+    records.append(dict(impl="estimate_block_mask", density=0.1, fwd_ms=est, vs_dense=dense / est, **base))
+    seen = [c for c in clocks if c]
+    for r in records:
+        r.update(meta, sm_clock_mhz=[min(seen), max(seen)] if seen else None)
+    if not args.no_save:
+        path = RESULTS / f"{gpu_slug(torch.cuda.get_device_name())}_sparse.json"
+        path.write_text(json.dumps(records, indent=1))
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

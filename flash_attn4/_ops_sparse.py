@@ -1,0 +1,150 @@
+"""Block-sparse attention (flash_attn4.BlockMask) as torch.library ops.
+
+    flash_attn4::fwd_block_sparse(q, k, v, kv_count, kv_index, full_count, full_index, softmax_scale, causal,
+                                  window_left, window_right, softcap) -> (out, lse)
+    flash_attn4::bwd_block_sparse(dout, dlse?, q, k, v, <the same lists and options>) -> (dq, dk, dv)
+
+The forward runs the sm90 block-sparse kernel (it walks the lists: skipped blocks cost nothing) where
+`kernel_plan` finds one, else the PyTorch reference (`_reference_general`). The backward has no kernel yet:
+it recomputes the reference's probabilities block by block, at dense cost or more.
+
+No `from __future__ import annotations` here: custom_op reads the schema from real annotations.
+"""
+
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from flash_attn4 import _build_info
+from flash_attn4._ops import _kernel_plan, _Plan, _warn_once, fwd_into
+from flash_attn4.block_mask import BLOCK, _dense
+
+
+def kernel_plan(
+    q: Tensor, k: Tensor, v: Tensor, block_size: int, causal: bool, window_left: int, window_right: int
+) -> tuple[Optional[_Plan], str]:
+    """The dense plan of the call when a block-sparse kernel can serve it, else (None, why)."""
+    plan, why = _kernel_plan(q, q.shape[1], k.shape[1], causal, window_left, window_right, v.shape[-1])
+    if plan is None:
+        return None, why
+    dpad = _build_info.padded_hdim(q.shape[-1])
+    if plan.arch != 90 or dpad not in _build_info.BLOCK_SPARSE_HDIMS or block_size != BLOCK:
+        return None, (
+            f"the block-sparse kernels run on sm90 with {BLOCK}-token blocks at head dims "
+            f"{_build_info.BLOCK_SPARSE_HDIMS or '(none built)'} (this call: sm{plan.arch}, block "
+            f"{block_size}, head dim {q.shape[-1]}); the PyTorch reference runs"
+        )
+    return plan, ""
+
+
+class _ListMask(NamedTuple):
+    """What the reference reads of a BlockMask (`to_dense`, `block_size`), rebuilt from the op's lists."""
+
+    kv_count: Tensor
+    kv_index: Tensor
+    full_count: Tensor
+    full_index: Tensor
+    block_size: int = BLOCK
+
+    def to_dense(self) -> tuple[Tensor, Tensor]:
+        nk = self.kv_index.shape[-1]
+        return _dense(self.kv_count, self.kv_index, nk), _dense(self.full_count, self.full_index, nk)
+
+
+def _reference(q, k, v, lists, softmax_scale, causal, window_left, window_right, softcap):
+    from flash_attn4._reference_general import general_attention_ref
+
+    return general_attention_ref(
+        q, k, v, block_mask=_ListMask(*lists), causal=causal, softmax_scale=softmax_scale,
+        window_size=(window_left, window_right), softcap=softcap,
+    )  # fmt: skip
+
+
+@torch.library.custom_op("flash_attn4::fwd_block_sparse", mutates_args=())
+def fwd_block_sparse(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kv_count: Tensor,
+    kv_index: Tensor,
+    full_count: Tensor,
+    full_index: Tensor,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+) -> tuple[Tensor, Tensor]:
+    """q (b, sq, hq, d), k / v (b, sk, hk, d) and a BlockMask's lists -> out (b, sq, hq, d), lse (b, hq, sq)
+    (float32; float64 for float64 inputs on the reference)."""
+    lists = (kv_count, kv_index, full_count, full_index)
+    plan, why = kernel_plan(q, k, v, BLOCK, causal, window_left, window_right)
+    if plan is None:
+        if why and q.is_cuda:
+            _warn_once(why)
+        out, lse = _reference(q, k, v, lists, softmax_scale, causal, window_left, window_right, softcap)
+        return out.contiguous(), lse.contiguous()
+    b, sq, hq, d = q.shape
+    out = q.new_empty(b, sq, hq, d)
+    lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
+    blocks = dict(zip(("block_kv_count", "block_kv_index", "block_full_count", "block_full_index"), lists))
+    fwd_into(q, k, v, out, lse, softmax_scale, plan, softcap=softcap, blocks=blocks)
+    return out, lse
+
+
+@fwd_block_sparse.register_fake
+def _fwd_fake(q, k, v, kv_count, kv_index, full_count, full_index, softmax_scale, causal, wl, wr, softcap):
+    b, sq, hq, _ = q.shape
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty(b, sq, hq, v.shape[-1]), q.new_empty(b, hq, sq, dtype=lse_dtype)
+
+
+@torch.library.custom_op("flash_attn4::bwd_block_sparse", mutates_args=())
+def bwd_block_sparse(
+    dout: Tensor,
+    dlse: Optional[Tensor],
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kv_count: Tensor,
+    kv_index: Tensor,
+    full_count: Tensor,
+    full_index: Tensor,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of fwd_block_sparse: the reference's, written out (block_sparse_bwd_ref)."""
+    from flash_attn4._reference_general import block_sparse_bwd_ref
+
+    mask = _ListMask(kv_count, kv_index, full_count, full_index)
+    grads = block_sparse_bwd_ref(
+        dout, dlse, q, k, v, block_mask=mask, causal=causal, softmax_scale=softmax_scale,
+        window_size=(window_left, window_right), softcap=softcap,
+    )  # fmt: skip
+    return tuple(g.contiguous() for g in grads)
+
+
+@bwd_block_sparse.register_fake
+def _bwd_fake(dout, dlse, q, k, v, kv_count, kv_index, full_count, full_index, scale, causal, wl, wr, cap):
+    return tuple(t.new_empty(t.shape) for t in (q, k, v))  # contiguous, as the implementation returns
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, *lists = inputs[:7]
+    ctx.save_for_backward(q, k, v, *lists)
+    ctx.args = inputs[7:]
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dout: Optional[Tensor], dlse: Optional[Tensor]):
+    q, k, v, *lists = ctx.saved_tensors
+    dout = q.new_zeros(*q.shape[:-1], v.shape[-1]) if dout is None else dout
+    dq, dk, dv = bwd_block_sparse(dout, dlse, q, k, v, *lists, *ctx.args)
+    return (dq, dk, dv) + (None,) * 9
+
+
+fwd_block_sparse.register_autograd(_backward, setup_context=_setup_context)
