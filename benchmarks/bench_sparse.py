@@ -1,15 +1,16 @@
 #!/usr/bin/env python3
-"""Block-sparse attention forward: flash_attn4 with a BlockMask beside flash_attn4 dense, FlexAttention
-(compiled, the same block mask) and FlashAttention-4's block-sparse path (when importable), in one run.
+"""Block-sparse attention, forward and backward: flash_attn4 with a BlockMask beside flash_attn4 dense,
+FlexAttention (compiled, the same block mask) and FlashAttention-4's block-sparse path (when importable),
+in one run.
 
     python3 benchmarks/bench_sparse.py            # writes benchmarks/results/<gpu>_sparse.json
 
 Shape: batch 1, 32768 tokens, 16 heads, head dim 128, bf16, not causal. Masks: each (head, query block)
 keeps a random `density` share of the 128 x 128 key blocks (seeded), all of them full blocks (no element
 mask inside), plus the diagonal block so that no row is empty. Times: do_bench medians, implementations
-alternating for --rounds rounds, the median round kept; `vs_dense` = our dense time / this time.
+alternating for --rounds rounds, the median round kept; `vs_dense` = our dense time / this time. The
+backward times the gradient call alone on a graph recorded once (retain_graph), as bench_fwd.py --bwd does.
 The estimator row times estimate_block_mask(q, k, density=0.1) against our dense forward.
-The backward is not timed: flash_attn4's block-sparse backward still runs the PyTorch reference.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def impls(q, k, v, blocks):
         flex = torch.compile(flex_attention, dynamic=False)
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
         flex(qt, kt, vt, block_mask=fm)
-        out["flex_compiled"] = lambda: flex(qt, kt, vt, block_mask=fm)
+        out["flex_compiled"] = lambda: flex(qt, kt, vt, block_mask=fm).transpose(1, 2)
     except Exception as e:  # noqa: BLE001 - an anchor that cannot run is reported, not fatal
         out["flex_compiled"] = f"{type(e).__name__}: {str(e)[:200]}"
     try:
@@ -60,11 +61,42 @@ def impls(q, k, v, blocks):
         zc = torch.zeros_like(mask.full_count)
         bst = BlockSparseTensorsTorch(zc, torch.zeros_like(mask.full_index), mask.full_count, mask.full_index,
                                       block_size=(BLK, BLK))  # fmt: skip
+        zq = torch.zeros_like(mask.full_q_count)
+        bst_bwd = BlockSparseTensorsTorch(zq, torch.zeros_like(mask.full_q_index), mask.full_q_count,
+                                          mask.full_q_index, block_size=(BLK, BLK))  # fmt: skip
         flash_attn_func(q, k, v, block_sparse_tensors=bst)
-        out["fa4_cute_sparse"] = lambda: flash_attn_func(q, k, v, block_sparse_tensors=bst)
+
+        def fa4():
+            o = flash_attn_func(q, k, v, block_sparse_tensors=bst, block_sparse_tensors_bwd=bst_bwd)
+            return o[0] if isinstance(o, tuple) else o
+
+        out["fa4_cute_sparse"] = fa4
     except Exception as e:  # noqa: BLE001
         out["fa4_cute_sparse"] = f"{type(e).__name__}: {str(e)[:200]}"
     return out
+
+
+def backward_of(fwd):
+    """A zero-argument call of the gradient alone, on a graph recorded once (retain_graph); fwd closes over
+    leaves that require grad."""
+    out = fwd()
+    leaves = _LEAVES
+    dout = torch.randn_like(out)
+    torch.autograd.grad(out, leaves, dout, retain_graph=True)  # compiles / warms the backward once
+    return lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
+
+
+_LEAVES: list = []  # the backward's q, k, v
+
+
+def timed(fns: dict, rounds: int, warmup: int, rep: int, clocks: list) -> dict:
+    """name -> median ms over `rounds` alternating rounds, for the callable entries of fns."""
+    times = {n: [] for n, f in fns.items() if callable(f)}
+    for r in range(rounds):
+        for name in list(times)[:: 1 if r % 2 == 0 else -1]:
+            times[name].append(bench_ms(fns[name], warmup, rep))
+        clocks.append(sm_clock_mhz())
+    return {n: (statistics.median(t), t) for n, t in times.items()}
 
 
 def main() -> int:
@@ -73,6 +105,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=25)
     ap.add_argument("--rep", type=int, default=100)
+    ap.add_argument("--no-bwd", action="store_true", help="time the forward only")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
     _import_flash_attn4()
@@ -80,35 +113,46 @@ def main() -> int:
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    _LEAVES[:] = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"))
     base = dict(hdim=D, seqlen=S, causal=False, batch=1, nheads=H, dtype="bf16")
     records, clocks = [], []
     for density in (float(x) for x in args.densities.split(",")):
         blocks = random_blocks(density, seed=int(density * 1000))
         real = blocks.float().mean().item()  # the share actually computed (the diagonal included)
-        fns = impls(q, k, v, blocks)
-        times = {n: [] for n, f in fns.items() if callable(f)}
-        for r in range(args.rounds):
-            for name in list(times)[:: 1 if r % 2 == 0 else -1]:
-                times[name].append(bench_ms(fns[name], args.warmup, args.rep))
-            clocks.append(sm_clock_mhz())
-        med = {n: statistics.median(t) for n, t in times.items()}
-        dense = med["flash_attn4_dense"]
-        line = f"density {density:.2f} (computed {real:.3f}):"
-        for name, f in fns.items():
-            if not callable(f):
-                line += f"  {name}: {f}"
-                records.append(dict(impl=name, density=real, error=f, **base))
+        fwd = impls(q, k, v, blocks)
+        fwd_t = timed(fwd, args.rounds, args.warmup, args.rep, clocks)
+        bwd_t = {}
+        if not args.no_bwd:
+            bwd = {}
+            for name, f in impls(*_LEAVES, blocks).items():
+                try:
+                    bwd[name] = backward_of(f) if callable(f) else f
+                except Exception as e:  # noqa: BLE001 - an anchor without a backward is reported, not fatal
+                    bwd[name] = f"{type(e).__name__}: {str(e)[:200]}"
+            bwd_t = timed(bwd, args.rounds, args.warmup, args.rep, clocks)
+            del bwd  # frees the recorded graphs
+        for direction, fns, t in (("fwd", fwd, fwd_t), ("bwd", None, bwd_t)):
+            if not t:
                 continue
-            ms = med[name]
-            line += f"  {name} {ms:.2f} ms ({dense / ms:.2f}x dense)"
-            records.append(dict(impl=name, density=real, fwd_ms=ms, fwd_ms_rounds=times[name],
-                                vs_dense=dense / ms, **base))  # fmt: skip
-        print(line, flush=True)
+            dense = t["flash_attn4_dense"][0]
+            line = f"{direction} density {density:.2f} (computed {real:.3f}):"
+            for name, (ms, rounds) in t.items():
+                line += f"  {name} {ms:.2f} ms ({dense / ms:.2f}x dense)"
+                records.append({"impl": name, "density": real, f"{direction}_ms": ms,
+                                f"{direction}_ms_rounds": rounds, f"{direction}_vs_dense": dense / ms,
+                                **base})  # fmt: skip
+            for name, f in (fns or {}).items():
+                if not callable(f):
+                    line += f"  {name}: {f}"
+                    records.append(dict(impl=name, density=real, error=f, **base))
+            print(line, flush=True)
     est = bench_ms(lambda: flash_attn4.estimate_block_mask(q, k, density=0.1), args.warmup, args.rep)
     dense = bench_ms(lambda: flash_attn4.attn(q, k, v), args.warmup, args.rep)
     print(f"estimate_block_mask(density=0.1): {est:.3f} ms = {est / dense:.1%} of the dense forward")
-    records.append(dict(impl="estimate_block_mask", density=0.1, fwd_ms=est, vs_dense=dense / est, **base))
+    records.append(
+        dict(impl="estimate_block_mask", density=0.1, fwd_ms=est, fwd_vs_dense=dense / est, **base)
+    )
     seen = [c for c in clocks if c]
     for r in records:
         r.update(meta, sm_clock_mhz=[min(seen), max(seen)] if seen else None)

@@ -29,6 +29,7 @@ def gencodes(targets) -> list[str]:
         flags.append(f"-gencode=arch=compute_{ampere[0]},code=compute_{ampere[0]}")
     return flags
 
+
 NVCC_FLAGS = [
     "-O3",
     "-std=c++17",

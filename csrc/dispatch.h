@@ -49,6 +49,7 @@ struct BwdKernelEntry {
   int head_dim;
   bool causal;
   bool local;
+  bool sparse;  // walks a block mask's transposed lists (SparseList)
   BwdLauncher launch;
   const char* name;
 };
@@ -56,10 +57,12 @@ struct BwdKernelEntry {
 extern const BwdKernelEntry kBwdKernels[];
 extern const int kNumBwdKernels;
 
-inline const BwdKernelEntry* find_bwd_kernel(int arch, DType dtype, int head_dim, bool causal, bool local) {
+inline const BwdKernelEntry* find_bwd_kernel(int arch, DType dtype, int head_dim, bool causal, bool local,
+                                             bool sparse = false) {
   for (int i = 0; i < kNumBwdKernels; ++i) {
     const BwdKernelEntry& e = kBwdKernels[i];
-    if (e.arch == arch && e.dtype == dtype && e.head_dim == head_dim && e.causal == causal && e.local == local) {
+    if (e.arch == arch && e.dtype == dtype && e.head_dim == head_dim && e.causal == causal && e.local == local &&
+        e.sparse == sparse) {
       return &e;
     }
   }
@@ -92,7 +95,7 @@ inline const DecodeKernelEntry* find_decode_kernel(DType dtype, int head_dim, bo
 // Declared here, defined (and explicitly instantiated, one combination per .cu) in launch/.
 template <int Arch, DType kDType, int kHeadDim, bool kCausal, bool kLocal, class Iter = DenseBand>
 void run_fwd(const FwdParams& params, cudaStream_t stream);
-template <int Arch, DType kDType, int kHeadDim, bool kCausal, bool kLocal>
+template <int Arch, DType kDType, int kHeadDim, bool kCausal, bool kLocal, class Iter = DenseBand>
 void run_bwd(const BwdParams& params, cudaStream_t stream);
 template <DType kDType, int kHeadDim, bool kPaged>
 void run_decode(const DecodeParams& params, const AppendParams* append, cudaStream_t stream);

@@ -119,43 +119,47 @@ Strides strides(const at::Tensor& t) {
   return t.dim() == 4 ? Strides{t.stride(0), t.stride(1), t.stride(2)} : Strides{0, t.stride(0), t.stride(1)};
 }
 
-// A block mask's lists (flash_attn4/block_mask.py) into p.block_sparse: counts (B, H, nq) and indices
-// (B, H, nq, nk) int32 on q's device, B / H 1 (broadcast) or the call's, nq / nk the 128-row blocks of
-// seqlen_q / seqlen_k. Values are not read here (the kernel clamps them).
-bool set_block_sparse(flash4::FwdParams& p, const OptTensor& kv_count, const OptTensor& kv_index,
+// A block mask's lists (flash_attn4/block_mask.py) into `b`: counts (B, H, rows) and indices (B, H, rows, len)
+// int32 on q's device, B / H 1 (broadcast) or the call's. Forward: rows = nq query blocks, len = nk key
+// blocks (128-token blocks of seqlen_q / seqlen_k); backward (transposed): rows = nk, len = nq. Values are
+// not read here (the kernels clamp them).
+bool set_block_sparse(flash4::BlockSparseParams& b, const OptTensor& kv_count, const OptTensor& kv_index,
                       const OptTensor& full_count, const OptTensor& full_index, const Options& o, int64_t nheads_q,
-                      const at::Tensor& q) {
+                      const at::Tensor& q, bool transposed) {
   const int given = kv_count.has_value() + kv_index.has_value() + full_count.has_value() + full_index.has_value();
   if (given == 0) return false;
   TORCH_CHECK(given == 4, "flash_attn4: a block mask needs all four lists (kv_count/index, full_count/index)");
   TORCH_CHECK(!o.packed, "flash_attn4: the block-sparse kernels take fixed-length batches (no cu_seqlens)");
-  const int64_t nq = (o.seqlen_q + flash4::kMaskBlock - 1) / flash4::kMaskBlock;
-  const int64_t nk = (o.seqlen_k + flash4::kMaskBlock - 1) / flash4::kMaskBlock;
+  const int64_t nq_blocks = (o.seqlen_q + flash4::kMaskBlock - 1) / flash4::kMaskBlock;
+  const int64_t nk_blocks = (o.seqlen_k + flash4::kMaskBlock - 1) / flash4::kMaskBlock;
+  const int64_t rows = transposed ? nk_blocks : nq_blocks, len = transposed ? nq_blocks : nk_blocks;
   auto check = [&](const at::Tensor& t, const char* name, int dims, int64_t last) {
     TORCH_CHECK(t.is_cuda() && t.device() == q.device() && t.scalar_type() == at::kInt && t.dim() == dims &&
                     (t.size(0) == 1 || t.size(0) == o.batch) && (t.size(1) == 1 || t.size(1) == nheads_q) &&
-                    t.size(2) == nq && t.size(dims - 1) == last && t.stride(dims - 1) == 1,
+                    t.size(2) == rows && t.size(dims - 1) == last && t.stride(dims - 1) == 1,
                 std::string("flash_attn4: block mask ") + name + " must be an int32 tensor on q's device of shape (" +
-                    "1 or " + str(o.batch) + ", 1 or " + str(nheads_q) + ", " + str(nq) +
-                    (dims == 4 ? ", " + str(nk) : std::string()) + ") with a contiguous last dim, got " +
+                    "1 or " + str(o.batch) + ", 1 or " + str(nheads_q) + ", " + str(rows) +
+                    (dims == 4 ? ", " + str(len) : std::string()) + ") with a contiguous last dim, got " +
                     str(t.sizes()));
   };
-  check(*kv_count, "kv_count", 3, nq);
-  check(*full_count, "full_count", 3, nq);
-  check(*kv_index, "kv_index", 4, nk);
-  check(*full_index, "full_index", 4, nk);
+  check(*kv_count, "kv_count", 3, rows);
+  check(*full_count, "full_count", 3, rows);
+  check(*kv_index, "kv_index", 4, len);
+  check(*full_index, "full_index", 4, len);
+  int64_t last_element = 0;  // the kernels index the lists with 32-bit offsets
+  for (int d = 0; d < 4; ++d) last_element += (kv_index->size(d) - 1) * kv_index->stride(d);
+  TORCH_CHECK(last_element < (int64_t(1) << 31), "flash_attn4: block mask index lists must span < 2^31 elements");
   TORCH_CHECK(kv_count->strides() == full_count->strides() && kv_index->strides() == full_index->strides() &&
                   kv_count->sizes() == full_count->sizes() && kv_index->sizes() == full_index->sizes(),
               "flash_attn4: the partial and full block lists must share shapes and strides");
   auto bstride = [](const at::Tensor& t, int d) { return t.size(d) == 1 ? int64_t(0) : t.stride(d); };
-  flash4::BlockSparseParams& b = p.block_sparse;
   b.kv_count = kv_count->data_ptr<int>(), b.kv_index = kv_index->data_ptr<int>();
   b.full_count = full_count->data_ptr<int>(), b.full_index = full_index->data_ptr<int>();
   b.count_batch_stride = bstride(*kv_count, 0), b.count_head_stride = bstride(*kv_count, 1);
   b.count_row_stride = kv_count->stride(2);
   b.index_batch_stride = bstride(*kv_index, 0), b.index_head_stride = bstride(*kv_index, 1);
   b.index_row_stride = kv_index->stride(2);
-  b.num_k_blocks = int(nk);
+  b.num_blocks = int(len);
   return true;
 }
 
@@ -210,8 +214,8 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
   const DType kdtype = dtype == at::kBFloat16 ? DType::kBF16 : DType::kFP16;
   check_kernel_arch(q, kernel_arch);
   flash4::FwdParams p;
-  const bool sparse = set_block_sparse(p, block_kv_count, block_kv_index, block_full_count, block_full_index, o,
-                                       nheads_q, q);
+  const bool sparse = set_block_sparse(p.block_sparse, block_kv_count, block_kv_index, block_full_count,
+                                       block_full_index, o, nheads_q, q, /*transposed=*/false);
   const flash4::FwdKernelEntry* entry =
       flash4::find_fwd_kernel(int(kernel_arch), kdtype, int(head_dim), o.causal, o.local, sparse);
   TORCH_CHECK(entry != nullptr, "flash_attn4: no compiled " + std::string(sparse ? "block-sparse " : "") +
@@ -255,7 +259,8 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
          double softmax_scale, bool causal, bool deterministic, const OptTensor& dlse, int64_t window_left,
          int64_t window_right, double softcap, const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k,
          const OptTensor& seqused_q, const OptTensor& seqused_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
-         int64_t kernel_arch) {
+         int64_t kernel_arch, const OptTensor& block_q_count, const OptTensor& block_q_index,
+         const OptTensor& block_full_q_count, const OptTensor& block_full_q_index) {
   using TensorList = std::initializer_list<const at::Tensor*>;
   for (const at::Tensor* t : TensorList{&dout, &q, &k, &v, &out, &lse, &dq, &dk, &dv}) {
     TORCH_CHECK(t->is_cuda() && t->device() == q.device(), "flash_attn4: all tensors must be on q's CUDA device");
@@ -303,9 +308,14 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
 
   const DType kdtype = dtype == at::kBFloat16 ? DType::kBF16 : DType::kFP16;
   check_kernel_arch(q, kernel_arch);
+  flash4::BwdParams p;
+  const bool sparse = set_block_sparse(p.block_sparse, block_q_count, block_q_index, block_full_q_count,
+                                       block_full_q_index, o, nheads_q, q, /*transposed=*/true);
+  TORCH_CHECK(!(sparse && deterministic), "flash_attn4: the block-sparse backward has no deterministic mode");
   const flash4::BwdKernelEntry* entry =
-      flash4::find_bwd_kernel(int(kernel_arch), kdtype, int(head_dim), o.causal, o.local);
-  TORCH_CHECK(entry != nullptr, "flash_attn4: no compiled backward kernel for sm" + str(kernel_arch) + ", " +
+      flash4::find_bwd_kernel(int(kernel_arch), kdtype, int(head_dim), o.causal, o.local, sparse);
+  TORCH_CHECK(entry != nullptr, "flash_attn4: no compiled " + std::string(sparse ? "block-sparse " : "") +
+                                    "backward kernel for sm" + str(kernel_arch) + ", " +
                                     (kdtype == DType::kBF16 ? "bf16" : "fp16") + ", head_dim " + str(head_dim) +
                                     ", " + mask_name(o));
 
@@ -327,7 +337,6 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
   at::Tensor dq_semaphore =
       deterministic ? at::zeros({slices, accum_rows / 32}, q.options().dtype(at::kInt)) : at::Tensor();
 
-  flash4::BwdParams p;
   set_options(p, o);
   p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr(), p.out = out.data_ptr(), p.dout = dout.data_ptr();
   const Strides sq = strides(q), sk = strides(k), sv = strides(v), so = strides(out), sdo = strides(dout);
@@ -389,7 +398,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("window_left") = -1, py::arg("window_right") = -1, py::arg("softcap") = 0.0,
         py::arg("cu_seqlens_q") = py::none(), py::arg("cu_seqlens_k") = py::none(), py::arg("seqused_q") = py::none(),
         py::arg("seqused_k") = py::none(), py::arg("max_seqlen_q") = 0, py::arg("max_seqlen_k") = 0,
-        py::arg("kernel_arch") = 0);
+        py::arg("kernel_arch") = 0, py::arg("block_q_count") = py::none(), py::arg("block_q_index") = py::none(),
+        py::arg("block_full_q_count") = py::none(), py::arg("block_full_q_index") = py::none());
   flash4::binding::register_decode(m);
   m.def("compiled_kernels", &compiled_kernels, "Names of the kernel instantiations in this build");
   m.def("set_trace", &set_trace, "Per-CTA profiling buffer for builds with -DFLASH4_TRACE (None: off)",

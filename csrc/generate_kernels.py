@@ -28,8 +28,9 @@ HDIMS = (64, 96, 128, 192, 256)
 # (causal, local) mask variants: none, causal, sliding window (which also serves causal + left window).
 MASKS = ((False, False), (True, False), (False, True))
 DIRECTIONS = ("fwd", "bwd")
-# Block-sparse forwards (SparseList, sm90): head dims whose causal tile's kBlockN divides the mask's 128-key
-# blocks (csrc/common/tile_size.h: 128 up to head dim 128, 64 at 256; 192's 112 does not).
+# Block-sparse kernels (SparseList, sm90, forward and backward): head dims whose forward causal tile's kBlockN
+# divides the mask's 128-key blocks (csrc/common/tile_size.h: 128 up to head dim 128, 64 at 256; 192's 112
+# does not); the backward's tiles (64 queries x 128 or 64 keys) divide them at every head dim.
 SPARSE_HDIMS = (64, 96, 128, 256)
 
 _CPP_DTYPE = {"bf16": "DType::kBF16", "fp16": "DType::kFP16"}
@@ -44,7 +45,7 @@ class Kernel:
     hdim: int
     causal: bool
     local: bool = False
-    sparse: bool = False  # forward only: walks a block mask's lists (SparseList)
+    sparse: bool = False  # walks a block mask's lists (SparseList), sm90
 
     @property
     def name(self) -> str:
@@ -117,17 +118,18 @@ def decode_kernels(dtypes=DTYPES, hdims=HDIMS) -> list[DecodeKernel]:
 def kernels(archs=ARCHS, dtypes=DTYPES, hdims=HDIMS, sparse=True) -> list[Kernel]:
     """Every (direction, family, dtype, head dim, mask) of the families `archs` (build targets) ask for: each
     built family has both directions of every mask, so the Python side can take one kernel family for a
-    whole call (flash_attn4/_build_info.py). `sparse` adds the sm90 block-sparse forwards of SPARSE_HDIMS."""
+    whole call (flash_attn4/_build_info.py). `sparse` adds the sm90 block-sparse kernels of SPARSE_HDIMS, both
+    directions."""
     combos = itertools.product(DIRECTIONS, families(archs), dtypes, hdims, MASKS)
     ks = [Kernel(direction, a, d, h, c, lo) for direction, a, d, h, (c, lo) in combos]
     if sparse and 90 in families(archs):
-        combos = itertools.product(dtypes, [h for h in hdims if h in SPARSE_HDIMS], MASKS)
-        ks += [Kernel("fwd", 90, d, h, c, lo, sparse=True) for d, h, (c, lo) in combos]
+        combos = itertools.product(DIRECTIONS, dtypes, [h for h in hdims if h in SPARSE_HDIMS], MASKS)
+        ks += [Kernel(direction, 90, d, h, c, lo, sparse=True) for direction, d, h, (c, lo) in combos]
     return ks
 
 
 def sparse_hdims(ks: list[Kernel]) -> tuple[int, ...]:
-    """Head dims with a block-sparse forward in `ks` (for _build_config.py)."""
+    """Head dims with block-sparse kernels in `ks` (for _build_config.py)."""
     return tuple(sorted({k.hdim for k in ks if k.sparse}))
 
 
@@ -140,15 +142,13 @@ def _table(direction: str, ks: list[Kernel]) -> str:
     decls = "".join(
         f"template <>\nvoid run_{direction}<{k.template_args}>(const {params}&, cudaStream_t);\n" for k in ks
     )
-    fwd = direction == "fwd"  # forward rows carry the sparse flag
     rows = "".join(
-        f"    {{{k.arch}, {_CPP_DTYPE[k.dtype]}, {k.hdim}, {k.mask_args}, "
-        + (f"{str(k.sparse).lower()}, " if fwd else "")
-        + f'&run_{direction}<{k.template_args}>, "{k.name}"}},\n'
+        f"    {{{k.arch}, {_CPP_DTYPE[k.dtype]}, {k.hdim}, {k.mask_args}, {str(k.sparse).lower()}, "
+        f'&run_{direction}<{k.template_args}>, "{k.name}"}},\n'
         for k in ks
     )
     # A zero-length array is not valid C++: keep a sentinel row that never matches (arch 0).
-    sentinel = f'    {{0, DType::kBF16, 0, false, false, {"false, " if fwd else ""}nullptr, "none"}},\n'
+    sentinel = '    {0, DType::kBF16, 0, false, false, false, nullptr, "none"},\n'
     return (
         decls
         + f"\nconst {entry} {table}[] = {{\n"

@@ -60,8 +60,8 @@ struct SeqMaskParams {
   unsigned long long* trace = nullptr;
 };
 
-// Block iterators of the forward (common/block_sparse.hpp): the band a causal / window mask leaves, or a
-// block mask's index lists. Tags only; the dispatch table keys on them.
+// Block iterators (common/block_sparse.hpp): the band a causal / window mask leaves, or a block mask's
+// index lists. Tags only; the dispatch table keys on them.
 struct DenseBand {};
 struct SparseList {};
 
@@ -69,8 +69,10 @@ struct SparseList {};
 // and a multiple of its kBlockN.
 constexpr int kMaskBlock = 128;
 
-// A block mask's lists (common/block_sparse.hpp): counts (B, H, nq) and indices (B, H, nq, nk) int32,
-// strides in elements (0 for a broadcast batch or head), last dim contiguous. All null for a dense call.
+// A block mask's lists (common/block_sparse.hpp): counts (B, H, rows) and indices (B, H, rows, num_blocks)
+// int32, strides in elements (0 for a broadcast batch or head), last dim contiguous. The forward's rows are
+// query blocks listing key blocks; the backward's are the transpose (key blocks listing query blocks). All
+// null for a dense call.
 struct BlockSparseParams {
   const int* kv_count = nullptr;  // partial blocks (with the element mask)
   const int* kv_index = nullptr;
@@ -78,7 +80,7 @@ struct BlockSparseParams {
   const int* full_index = nullptr;
   int64_t count_batch_stride = 0, count_head_stride = 0, count_row_stride = 0;
   int64_t index_batch_stride = 0, index_head_stride = 0, index_row_stride = 0;
-  int num_k_blocks = 0;  // nk: the lists' length, ceil(seqlen_k / kMaskBlock)
+  int num_blocks = 0;  // the lists' length: nk (forward) or nq (backward), in kMaskBlock blocks
 };
 
 struct FwdParams : SeqMaskParams {
@@ -172,6 +174,10 @@ struct BwdParams : SeqMaskParams {
   // scratch row / kBlockM), with which the key blocks take turns in a fixed order, so dq is bitwise
   // reproducible.
   int* dq_semaphore = nullptr;
+
+  // Read by the block-sparse instantiations only (SparseList): the transposed lists (key blocks listing
+  // query blocks). Never together with dq_semaphore.
+  BlockSparseParams block_sparse;
 
   int batch = 0, seqlen_q = 0, seqlen_k = 0, nheads_q = 0, nheads_kv = 0, head_dim = 0;
   DType dtype = DType::kBF16;

@@ -221,6 +221,7 @@ def bwd_into(
     *,
     softcap: float = 0.0,
     varlen: Optional[dict] = None,
+    blocks: Optional[dict] = None,
 ) -> None:
     """Run the compiled backward kernel, writing dq, dk and dv.
 
@@ -232,6 +233,7 @@ def bwd_into(
         deterministic: bitwise-reproducible dq (key blocks add into it in a fixed order; slower).
         dlse: gradient of lse (same shape), or None for zero.
         plan, softcap, varlen: as for `fwd_into`.
+        blocks: a block mask's transposed lists (block_q_count, ...) for `_C.bwd`'s block-sparse kernels.
     """
     ext, why = _build_info.load_extension()
     if ext is None:
@@ -268,6 +270,7 @@ def bwd_into(
         bool(deterministic),
         None if dlse is None else dlse.float().contiguous(),
         **_kernel_options(plan, softcap, varlen),
+        **(blocks or {}),
     )
     if dpad != d:
         dq.copy_(dq_k[..., :d])

@@ -1,12 +1,16 @@
 """Block-sparse attention (flash_attn4.BlockMask) as torch.library ops.
 
-    flash_attn4::fwd_block_sparse(q, k, v, kv_count, kv_index, full_count, full_index, softmax_scale, causal,
-                                  window_left, window_right, softcap) -> (out, lse)
-    flash_attn4::bwd_block_sparse(dout, dlse?, q, k, v, <the same lists and options>) -> (dq, dk, dv)
+    flash_attn4::fwd_block_sparse(q, k, v, kv_count, kv_index, full_count, full_index, q_count,
+                                  q_index, full_q_count, full_q_index, softmax_scale, causal,
+                                  window_left, window_right, softcap, deterministic) -> (out, lse)
+    flash_attn4::bwd_block_sparse(dout, dlse?, q, k, v, out, lse, <the same lists and options>)
+                                  -> (dq, dk, dv)
 
-The forward runs the sm90 block-sparse kernel (it walks the lists: skipped blocks cost nothing) where
-`kernel_plan` finds one, else the PyTorch reference (`_reference_general`). The backward has no kernel yet:
-it recomputes the reference's probabilities block by block, at dense cost or more.
+Both directions run the sm90 block-sparse kernels (they walk the lists: skipped blocks cost nothing) where
+`kernel_plan` finds one, else the PyTorch reference (`_reference_general`). The forward reads the query
+blocks' lists (kv_*, full_*), the backward their transpose (q_*, full_q_*: the query blocks that read each
+key block), which BlockMask builds once. The block-sparse backward kernel has no deterministic mode: with
+deterministic=True the gradients come from the reference (bitwise reproducible, at dense cost or more).
 
 No `from __future__ import annotations` here: custom_op reads the schema from real annotations.
 """
@@ -17,7 +21,7 @@ import torch
 from torch import Tensor
 
 from flash_attn4 import _build_info
-from flash_attn4._ops import _kernel_plan, _Plan, _warn_once, fwd_into
+from flash_attn4._ops import _kernel_plan, _Plan, _warn_once, bwd_into, fwd_into
 from flash_attn4.block_mask import BLOCK, _dense
 
 
@@ -70,14 +74,20 @@ def fwd_block_sparse(
     kv_index: Tensor,
     full_count: Tensor,
     full_index: Tensor,
+    q_count: Tensor,
+    q_index: Tensor,
+    full_q_count: Tensor,
+    full_q_index: Tensor,
     softmax_scale: float,
     causal: bool,
     window_left: int,
     window_right: int,
     softcap: float,
+    deterministic: bool,
 ) -> tuple[Tensor, Tensor]:
     """q (b, sq, hq, d), k / v (b, sk, hk, d) and a BlockMask's lists -> out (b, sq, hq, d), lse (b, hq, sq)
-    (float32; float64 for float64 inputs on the reference)."""
+    (float32; float64 for float64 inputs on the reference). The transposed lists and `deterministic` are
+    the backward's."""
     lists = (kv_count, kv_index, full_count, full_index)
     plan, why = kernel_plan(q, k, v, BLOCK, causal, window_left, window_right)
     if plan is None:
@@ -94,7 +104,7 @@ def fwd_block_sparse(
 
 
 @fwd_block_sparse.register_fake
-def _fwd_fake(q, k, v, kv_count, kv_index, full_count, full_index, softmax_scale, causal, wl, wr, softcap):
+def _fwd_fake(q, k, v, *lists_and_options):
     b, sq, hq, _ = q.shape
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return q.new_empty(b, sq, hq, v.shape[-1]), q.new_empty(b, hq, sq, dtype=lse_dtype)
@@ -107,17 +117,36 @@ def bwd_block_sparse(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    out: Tensor,
+    lse: Tensor,
     kv_count: Tensor,
     kv_index: Tensor,
     full_count: Tensor,
     full_index: Tensor,
+    q_count: Tensor,
+    q_index: Tensor,
+    full_q_count: Tensor,
+    full_q_index: Tensor,
     softmax_scale: float,
     causal: bool,
     window_left: int,
     window_right: int,
     softcap: float,
+    deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of fwd_block_sparse: the reference's, written out (block_sparse_bwd_ref)."""
+    """Gradients of fwd_block_sparse: the sm90 kernel where kernel_plan finds one (and not deterministic),
+    else the reference's, written out (block_sparse_bwd_ref)."""
+    plan, why = kernel_plan(q, k, v, BLOCK, causal, window_left, window_right)
+    if plan is not None and not deterministic and lse.dtype == torch.float32:
+        dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+        blocks = dict(zip(("block_q_count", "block_q_index", "block_full_q_count", "block_full_q_index"),
+                          (q_count, q_index, full_q_count, full_q_index)))  # fmt: skip
+        bwd_into(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, plan, dlse=dlse, softcap=softcap,
+                 blocks=blocks)  # fmt: skip
+        return dq, dk, dv
+    if q.is_cuda and (why or deterministic):
+        _warn_once(why or "flash_attn4: the block-sparse backward kernel has no deterministic mode; with "
+                   "deterministic=True block-mask gradients come from the PyTorch reference")  # fmt: skip
     from flash_attn4._reference_general import block_sparse_bwd_ref
 
     mask = _ListMask(kv_count, kv_index, full_count, full_index)
@@ -129,22 +158,24 @@ def bwd_block_sparse(
 
 
 @bwd_block_sparse.register_fake
-def _bwd_fake(dout, dlse, q, k, v, kv_count, kv_index, full_count, full_index, scale, causal, wl, wr, cap):
+def _bwd_fake(dout, dlse, q, k, v, *rest):
     return tuple(t.new_empty(t.shape) for t in (q, k, v))  # contiguous, as the implementation returns
 
 
+_NUM_TENSORS = 11  # q, k, v and the eight lists
+
+
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, *lists = inputs[:7]
-    ctx.save_for_backward(q, k, v, *lists)
-    ctx.args = inputs[7:]
+    ctx.save_for_backward(*inputs[:_NUM_TENSORS], *output)
+    ctx.args = inputs[_NUM_TENSORS:]
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout: Optional[Tensor], dlse: Optional[Tensor]):
-    q, k, v, *lists = ctx.saved_tensors
+    q, k, v, *lists, out, lse = ctx.saved_tensors
     dout = q.new_zeros(*q.shape[:-1], v.shape[-1]) if dout is None else dout
-    dq, dk, dv = bwd_block_sparse(dout, dlse, q, k, v, *lists, *ctx.args)
-    return (dq, dk, dv) + (None,) * 9
+    dq, dk, dv = bwd_block_sparse(dout, dlse, q, k, v, out, lse, *lists, *ctx.args)
+    return (dq, dk, dv) + (None,) * (_NUM_TENSORS - 3 + len(ctx.args))
 
 
 fwd_block_sparse.register_autograd(_backward, setup_context=_setup_context)

@@ -205,8 +205,8 @@ def _warn_reference(q: Tensor, **options: Any) -> None:
 
 
 def _block_sparse_kernel(q, k, v, block_mask, causal, left, right) -> bool:
-    """Whether attn(block_mask=...) runs the block-sparse forward kernel (the backward then recomputes through
-    the reference: no block-sparse backward kernel yet). A CUDA call the kernel cannot take warns once why."""
+    """Whether attn(block_mask=...) runs the block-sparse kernels (forward and backward). A CUDA call they
+    cannot take warns once why."""
     if not q.is_cuda:
         return False
     from flash_attn4 import _ops_sparse
@@ -214,11 +214,6 @@ def _block_sparse_kernel(q, k, v, block_mask, causal, left, right) -> bool:
     plan, why = _ops_sparse.kernel_plan(q, k, v, block_mask.block_size, causal, left, right)
     if plan is None and why:
         _ops._warn_once(why)
-    if plan is not None and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        _ops._warn_once(
-            "flash_attn4: block_mask has no backward kernel yet; its gradients recompute through the PyTorch "
-            "reference (at dense cost or more)"
-        )
     return plan is not None
 
 
@@ -280,8 +275,8 @@ def attn(
             includes the sink (a row that sees no key gets out = 0, lse = sinks[h]).
         block_mask: optional `flash_attn4.BlockMask`: only its blocks are computed, its partial blocks with
             the causal / window mask, its full blocks without (see flash_attn4.block_mask). The sm90
-            forward skips the other blocks (head dims 64 / 96 / 128 / 256); the backward recomputes
-            through the reference.
+            kernels skip the other blocks, forward and backward (head dims 64 / 96 / 128 / 256; with
+            deterministic=True the gradients come from the PyTorch reference).
         alibi_slopes: optional (nheads_q,) or (batch, nheads_q) ALiBi slopes: the logit of query i and key j
             gets -slope * |i + seqlen_k - seqlen_q - j| (after softcap).
         dropout_p: attention dropout for training (pass 0.0 at inference): each probability is dropped
@@ -329,9 +324,10 @@ def attn(
         and dropout_p == 0
         and _block_sparse_kernel(q, k, v, block_mask, causal, left, right)
     ):
+        m = block_mask
         out, lse = torch.ops.flash_attn4.fwd_block_sparse(
-            q, k, v, block_mask.kv_count, block_mask.kv_index, block_mask.full_count, block_mask.full_index,
-            softmax_scale, causal, left, right, softcap,
+            q, k, v, m.kv_count, m.kv_index, m.full_count, m.full_index, m.q_count, m.q_index, m.full_q_count,
+            m.full_q_index, softmax_scale, causal, left, right, softcap, deterministic,
         )  # fmt: skip
     elif block_mask is not None or alibi_slopes is not None or dropout_p > 0:
         out, lse = _general(q, k, v, block_mask, alibi_slopes, dropout_p, softmax_scale, causal, left, right,

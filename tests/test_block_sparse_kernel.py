@@ -1,10 +1,12 @@
-"""The block-sparse forward kernel (sm90, `attn(..., block_mask=...)` on CUDA) and its torch.library op.
+"""The block-sparse kernels (sm90, `attn(..., block_mask=...)` on CUDA, forward and backward) and their
+torch.library ops.
 
-GPU: bf16 / fp16 against the fp64 dense reference with the equivalent element mask, by the GPU tests' rule
-(error <= 2 x the error of the same math in low precision + a rounding floor), densities 0, one block, 10%,
-50%, 100%, causal / window / softcap, odd lengths, broadcast mask batch / heads, every built head dim; lists
-that lie (counts past the end, negative or too large indices) run without a fault. CPU: the op itself
-(reference inside) against `attn`'s reference path, gradients, and torch.library.opcheck."""
+GPU: bf16 / fp16 out, lse, dq, dk, dv against fp64 dense attention with the equivalent element mask, by the
+GPU tests' rule (error <= 2 x the error of the same math in low precision + a rounding floor), densities 0,
+one block, 10%, 50%, 100%, causal / window / softcap, odd lengths, GQA, broadcast mask batch / heads, every
+built head dim; lists that lie (counts past the end, negative or too large indices) run without a fault;
+deterministic gradients. CPU: the op itself (reference inside) against `attn`'s reference path, gradients,
+and torch.library.opcheck."""
 
 from __future__ import annotations
 
@@ -54,87 +56,134 @@ GPU_CASES = [  # sq, sk, causal, window, softcap, density, mask (batch, heads)
 ]
 
 
+def _dense(q, k, v, allowed, softcap):
+    """The fp64-or-low-precision dense attention with the equivalent element mask (softcap folded into the
+    scores by hand), differentiable: (out, lse); empty rows 0 and -inf."""
+    if not softcap:
+        return dense_masked(q, k, v, allowed)
+    hq, hk, d = q.shape[2], k.shape[2], q.shape[-1]
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(hq // hk, 2)) / math.sqrt(d)
+    s = (softcap * torch.tanh(s / softcap)).masked_fill(~allowed, -math.inf)
+    empty = ~allowed.expand_as(s).any(-1)
+    lse = torch.logsumexp(torch.where(empty[..., None], torch.zeros_like(s), s), -1)
+    p = torch.exp(s - lse[..., None]).to(q.dtype)
+    return torch.einsum("bhqk,bkhd->bqhd", p, v.repeat_interleave(hq // hk, 2)), lse.masked_fill(
+        empty, -math.inf
+    )
+
+
+def _check(name, ours, truth, low, dtype):
+    """FlashAttention's rule: error <= 2 x the same math's error in low precision + a rounding floor."""
+    live = ~torch.isinf(truth)
+    o, t, lp = ours.double()[live], truth[live], low.double()[live]
+    if not t.numel():
+        return
+    floor = (t.to(dtype).double() - t).abs().max().item() + 1e-4
+    err, err_lp = (o - t).abs().max().item(), (lp - t).abs().max().item()
+    assert err <= 2 * err_lp + floor, f"{name}: {err:.3g} > 2 * {err_lp:.3g} + {floor:.3g}"
+
+
+def _case(hdim, sq, sk, density, mshape, hq=4, hk=2):
+    g = torch.Generator(device="cuda").manual_seed(sq * 7 + sk + hdim)
+    shapes = ((sq, hq), (sk, hk), (sk, hk))
+    q, k, v = (torch.randn(2, n, h, hdim, device="cuda", generator=g, dtype=torch.float64) for n, h in shapes)
+    blocks, full = _mask(mshape, sq, sk, density, seed=sq + sk)
+    return q, k, v, blocks, full, BlockMask.from_dense(blocks, sq, sk, full=full).to("cuda")
+
+
+DTYPE = torch.bfloat16 if "bf16" in _build_info.DTYPES else torch.float16
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(_gpu_skip() is not None, reason=f"{_gpu_skip()}")
 @pytest.mark.parametrize("hdim", _build_info.BLOCK_SPARSE_HDIMS or [128])
 @pytest.mark.parametrize("sq,sk,causal,window,softcap,density,mshape", GPU_CASES)
 def test_block_sparse_kernel_matches_reference(hdim, sq, sk, causal, window, softcap, density, mshape):
-    dtype = torch.bfloat16 if "bf16" in _build_info.DTYPES else torch.float16
-    g = torch.Generator(device="cuda").manual_seed(sq * 7 + sk)
-    b, hq, hk = 2, 4, 2
-    shapes = ((sq, hq), (sk, hk), (sk, hk))
-    q, k, v = (torch.randn(b, n, h, hdim, device="cuda", generator=g) for n, h in shapes)
-    blocks, full = _mask(mshape, sq, sk, density, seed=sq + sk)
-    mask = BlockMask.from_dense(blocks, sq, sk, full=full).to("cuda")
-    out, lse = flash_attn4.attn(q.to(dtype), k.to(dtype), v.to(dtype), causal=causal, window_size=window,
+    q, k, v, blocks, full, mask = _case(hdim, sq, sk, density, mshape)
+    out, lse = flash_attn4.attn(*(t.to(DTYPE) for t in (q, k, v)), causal=causal, window_size=window,
                                 softcap=softcap, block_mask=mask, return_lse=True)  # fmt: skip
     allowed = _allowed(blocks, full, sq, sk, causal, window).cuda()
-
-    def dense(dt):
-        qq, kk, vv = (t.to(dt) for t in (q, k, v))
-        if softcap:  # softcap(s) = c tanh(s / c): fold it into the scores by hand
-            scale = 1 / math.sqrt(hdim)
-            s = torch.einsum("bqhd,bkhd->bhqk", qq, kk.repeat_interleave(hq // hk, 2)).double() * scale
-            s = (softcap * torch.tanh(s / softcap)).masked_fill(~allowed, -math.inf)
-            empty = ~allowed.expand_as(s).any(-1)
-            lse_ = torch.logsumexp(torch.where(empty[..., None], torch.zeros_like(s), s), -1)
-            p = torch.exp(s - lse_[..., None]).to(dt)
-            o = torch.einsum("bhqk,bkhd->bqhd", p, vv.repeat_interleave(hq // hk, 2))
-            return o, lse_.masked_fill(empty, -math.inf)
-        return dense_masked(qq, kk, vv, allowed)
-
-    truth, low = dense(torch.float64), dense(dtype)
+    truth = _dense(q, k, v, allowed, softcap)
+    low = _dense(*(t.to(DTYPE) for t in (q, k, v)), allowed, softcap)
     assert torch.isfinite(out).all()
-    empty = ~allowed.expand(b, hq, sq, sk).any(-1)
+    empty = ~allowed.expand(*lse.shape, sk).any(-1)
     assert torch.isinf(lse[empty]).all() and (lse[empty] < 0).all()
     assert not out.transpose(1, 2)[empty].any(), "rows with no key must be 0"
-    for name, o, t, lp in (("out", out, truth[0], low[0]), ("lse", lse, truth[1], low[1])):
-        live = ~torch.isinf(t)
-        o, t, lp = o.double()[live], t[live], lp.double()[live]
-        floor = (t.to(dtype).double() - t).abs().max().item() + 1e-4 if t.numel() else 0.0
-        err, err_lp = ((o - t).abs().max().item(), (lp - t).abs().max().item()) if t.numel() else (0.0, 0.0)
-        assert err <= 2 * err_lp + floor, f"{name}: {err:.3g} > 2 * {err_lp:.3g} + {floor:.3g}"
+    _check("out", out, truth[0], low[0], DTYPE)
+    _check("lse", lse, truth[1], low[1], DTYPE)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_skip() is not None, reason=f"{_gpu_skip()}")
+@pytest.mark.parametrize("hdim", _build_info.BLOCK_SPARSE_HDIMS or [128])
+@pytest.mark.parametrize("sq,sk,causal,window,softcap,density,mshape", GPU_CASES)
+def test_block_sparse_kernel_gradients_match_reference(
+    hdim, sq, sk, causal, window, softcap, density, mshape
+):
+    """The backward kernel (the transposed lists) against fp64 autograd of the dense masked attention, with
+    a gradient through lse too; NaN-poisoned is not possible for autograd outputs, so rows and key blocks no
+    block reaches must come back exactly 0."""
+    q, k, v, blocks, full, mask = _case(hdim, sq, sk, density, mshape)
+    allowed = _allowed(blocks, full, sq, sk, causal, window).cuda()
+    g = torch.Generator(device="cuda").manual_seed(sk)
+    go = torch.randn(q.shape, device="cuda", dtype=torch.float64, generator=g)
+    gl = torch.randn(2, q.shape[2], sq, device="cuda", dtype=torch.float64, generator=g)
+
+    def grads(fn, dt):
+        leaves = [t.to(dt).requires_grad_() for t in (q, k, v)]
+        out, lse = fn(*leaves)
+        loss = (out.double() * go).sum() + (lse.double().masked_fill(torch.isinf(lse), 0) * gl).sum()
+        return [x.double() for x in torch.autograd.grad(loss, leaves)]
+
+    ours = grads(lambda *t: flash_attn4.attn(*t, causal=causal, window_size=window, softcap=softcap,
+                                             block_mask=mask, return_lse=True), DTYPE)  # fmt: skip
+    truth = grads(lambda *t: _dense(*t, allowed, softcap), torch.float64)
+    low = grads(lambda *t: _dense(*t, allowed, softcap), DTYPE)
+    for name, o, t, lp in zip(("dq", "dk", "dv"), ours, truth, low):
+        assert torch.isfinite(o).all(), name
+        _check(name, o, t, lp, DTYPE)
+    # Keys that no query sees get exactly zero gradients (their CTAs take no step but still store).
+    unseen = ~allowed.expand(2, q.shape[2], sq, sk).any(-2).any(1)  # (b, sk)
+    assert not ours[1][unseen].any() and not ours[2][unseen].any()
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(_gpu_skip() is not None, reason=f"{_gpu_skip()}")
 def test_block_sparse_kernel_lists_that_lie_do_not_fault():
-    """Counts past nk or negative, indices negative or past nk: clamped in the kernel (some in-bounds
-    attention), never a fault; the CUDA context still works afterwards."""
+    """Counts past the lists' length or negative, indices negative or too large: clamped in both kernels
+    (some in-bounds attention), never a fault; the CUDA context still works afterwards."""
     b, sq, sk, h, d = 2, 500, 700, 4, _build_info.BLOCK_SPARSE_HDIMS[0]
     q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for n in (sq, sk, sk))
     nq, nk = math.ceil(sq / BLK), math.ceil(sk / BLK)
-    count = torch.randint(-3, nk + 5, (b, h, nq), device="cuda", dtype=torch.int32)
-    index = torch.randint(-1000, 1000, (b, h, nq, nk), device="cuda", dtype=torch.int32)
-    out, lse = torch.ops.flash_attn4.fwd_block_sparse(q, k, v, count, index, count.flip(-1), index.flip(-1),
-                                                      d**-0.5, False, -1, -1, 0.0)  # fmt: skip
+
+    def lists(rows, length):
+        count = torch.randint(-3, length + 5, (b, h, rows), device="cuda", dtype=torch.int32)
+        index = torch.randint(-1000, 1000, (b, h, rows, length), device="cuda", dtype=torch.int32)
+        return count, index, count.flip(-1), index.flip(-1)
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = torch.ops.flash_attn4.fwd_block_sparse(*leaves, *lists(nq, nk), *lists(nk, nq), d**-0.5, False,
+                                                      -1, -1, 0.0, False)  # fmt: skip
+    grads = torch.autograd.grad(out.float().sum(), leaves)
     torch.cuda.synchronize()
-    assert torch.isfinite(out).all()
+    assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
     assert flash_attn4.attn(q, k, v).isfinite().all()
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(_gpu_skip() is not None, reason=f"{_gpu_skip()}")
-def test_block_sparse_gradients_on_cuda_match_the_reference():
-    """Forward on the kernel, backward through the reference: gradients close to the fp64 ones."""
-    b, sq, sk, h, d = 1, 300, 400, 2, _build_info.BLOCK_SPARSE_HDIMS[0]
-    qf, kf, vf = (torch.randn(b, n, h, d, device="cuda", dtype=torch.float64) for n in (sq, sk, sk))
-    blocks, full = _mask((1, 1), sq, sk, 0.6, seed=3)
-    mask = BlockMask.from_dense(blocks, sq, sk, full=full).to("cuda")
-    allowed = _allowed(blocks, full, sq, sk, True, (-1, -1)).cuda()
-    go = torch.randn(b, sq, h, d, device="cuda", dtype=torch.float64)
+def test_block_sparse_deterministic_gradients_come_from_the_reference():
+    """deterministic=True: the backward kernel has no such mode, so the reference runs (with a warning);
+    two runs give bitwise-equal gradients."""
+    q, k, v, blocks, full, mask = _case(_build_info.BLOCK_SPARSE_HDIMS[0], 300, 400, 0.6, (1, 1))
 
-    def grads(fn, dt):
-        leaves = [t.detach().to(dt).clone().requires_grad_() for t in (qf, kf, vf)]
-        return [g.double() for g in torch.autograd.grad((fn(*leaves).double() * go).sum(), leaves)]
+    def grads():
+        leaves = [t.to(DTYPE).requires_grad_() for t in (q, k, v)]
+        out = flash_attn4.attn(*leaves, causal=True, block_mask=mask, deterministic=True)
+        return torch.autograd.grad(out.float().square().sum(), leaves)
 
-    ours = grads(lambda q, k, v: flash_attn4.attn(q, k, v, causal=True, block_mask=mask), torch.bfloat16)
-    truth = grads(lambda q, k, v: dense_masked(q, k, v, allowed)[0], torch.float64)
-    low = grads(lambda q, k, v: dense_masked(q, k, v, allowed)[0], torch.bfloat16)
-    for name, o, t, lp in zip(("dq", "dk", "dv"), ours, truth, low):
-        floor = (t.to(torch.bfloat16).double() - t).abs().max().item() + 1e-4
-        err, err_lp = (o - t).abs().max().item(), (lp - t).abs().max().item()
-        assert err <= 2 * err_lp + floor, f"{name}: {err:.3g} > 2 * {err_lp:.3g} + {floor:.3g}"
+    a, b = grads(), grads()
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 def _op_inputs(seed=0):
@@ -144,14 +193,15 @@ def _op_inputs(seed=0):
     q, k, v = (torch.randn(b, n, h, d, generator=g, dtype=torch.float64) for n, h in shapes)
     blocks, full = _mask((2, 1), sq, sk, 0.6, seed)
     mask = BlockMask.from_dense(blocks, sq, sk, full=full)
-    lists = (mask.kv_count, mask.kv_index, mask.full_count, mask.full_index)
+    lists = (mask.kv_count, mask.kv_index, mask.full_count, mask.full_index, mask.q_count, mask.q_index,
+             mask.full_q_count, mask.full_q_index)  # fmt: skip
     return q, k, v, mask, lists
 
 
 def test_block_sparse_op_equals_the_reference_path_with_gradients():
     q, k, v, mask, lists = _op_inputs()
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, lse = torch.ops.flash_attn4.fwd_block_sparse(*leaves, *lists, 0.25, True, -1, -1, 0.0)
+    out, lse = torch.ops.flash_attn4.fwd_block_sparse(*leaves, *lists, 0.25, True, -1, -1, 0.0, False)
     leaves_ref = [t.clone().requires_grad_() for t in (q, k, v)]
     want = flash_attn4.attn(*leaves_ref, causal=True, softmax_scale=0.25, block_mask=mask, return_lse=True)
     torch.testing.assert_close((out, lse), want)
@@ -167,4 +217,4 @@ def test_block_sparse_op_passes_opcheck():
     q, k, v, _, lists = _op_inputs(1)
     q, k, v = (t.float().requires_grad_() for t in (q, k, v))
     torch.library.opcheck(torch.ops.flash_attn4.fwd_block_sparse.default,
-                          (q, k, v, *lists, 0.25, False, 100, 20, 0.0))  # fmt: skip
+                          (q, k, v, *lists, 0.25, False, 100, 20, 0.0, False))  # fmt: skip

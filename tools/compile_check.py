@@ -63,8 +63,8 @@ def main() -> int:
     ap.add_argument("--mask", choices=("none", "causal", "local"), default="none")
     ap.add_argument(
         "--only",
-        help="comma-separated subset of fwd90,bwd90,fwd80,bwd80,decode,decode_paged,fwd90sparse (default: "
-        "all but fwd90sparse, the block-sparse forward)",
+        help="comma-separated subset of fwd90,bwd90,fwd80,bwd80,decode,decode_paged,fwd90sparse,bwd90sparse "
+        "(default: all but the block-sparse ones)",
     )
     ap.add_argument("--keep", type=Path, help="keep the objects in this folder (for tools/sass_stats.py)")
     ap.add_argument(
@@ -91,10 +91,12 @@ def main() -> int:
             for k in [generate_kernels.Kernel(name[:3], int(name[3:]), args.dtype, args.hdim, causal, local)]
         ]
         + [
-            (k, 90, ("fwd", 90))
-            for name in ("fwd90sparse",)
+            (k, 90, (name[:3], 90))
+            for name in ("fwd90sparse", "bwd90sparse")
             if name in wanted
-            for k in [generate_kernels.Kernel("fwd", 90, args.dtype, args.hdim, causal, local, sparse=True)]
+            for k in [
+                generate_kernels.Kernel(name[:3], 90, args.dtype, args.hdim, causal, local, sparse=True)
+            ]
         ]
         + [
             (

@@ -51,6 +51,7 @@ struct BlockMask {
   static_assert(!(kCausal && kLocal), "a causal sliding window is kLocal with right = 0");
   static constexpr bool kHasRight = kCausal || kLocal;
   static constexpr bool kLocalMask = kLocal;
+  static constexpr int kTileN = kBlockN;
   int seqlen_q, seqlen_k;
   int left, right;  // used with kLocal (right is 0 with kCausal)
 

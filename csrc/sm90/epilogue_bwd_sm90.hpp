@@ -27,7 +27,7 @@ namespace flash4 {
 
 using namespace cute;
 
-template <class Traits_, bool kCausal, bool kLocal>
+template <class Traits_, bool kCausal, bool kLocal, class Iter = DenseBand>
 struct EpilogueBwdSm90 {
   using Traits = Traits_;
   using Element = typename Traits::Element;
@@ -35,7 +35,10 @@ struct EpilogueBwdSm90 {
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kHeadDim = Traits::kHeadDim;
   using SharedStorage = typename Traits::SharedStorage;
-  using Mainloop = MainloopBwdSm90<Traits, kCausal, kLocal>;
+  using Mainloop = MainloopBwdSm90<Traits, kCausal, kLocal, Iter>;
+  // Block-sparse kernels have no deterministic mode (the host sends those calls elsewhere): turn() follows
+  // the dense band's geometry.
+  static constexpr bool kTurns = !Mainloop::kSparse;
   using Seq = typename Mainloop::Seq;
   using Mask = typename Mainloop::Mask;
 
@@ -48,6 +51,7 @@ struct EpilogueBwdSm90 {
     int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
     int64_t accum_head_stride;  // scratch rows per (batch, head) slice (see BwdParams)
     float softmax_scale;
+    BlockSparseParams block_sparse;  // the dQ writer walks the mainloop's query blocks
   };
 
   static Params to_params(BwdParams const& p) {
@@ -62,7 +66,8 @@ struct EpilogueBwdSm90 {
             p.dv_row_stride,
             p.dv_head_stride,
             p.accum_head_stride,
-            p.softmax_scale};
+            p.softmax_scale,
+            p.block_sparse};
   }
 
   // The key block of launch index `block` (of num_blocks). Deterministic causal dQ goes from the last key block
@@ -120,16 +125,23 @@ struct EpilogueBwdSm90 {
                             Seq const& seq) const {
     constexpr int kChunk = Traits::kdQChunk;
     const bool leader = cute::elect_one_sync();
-    int m_min, m_max;
-    Mainloop::m_block_range(seq, n_block, m_min, m_max);
+    // The last query head with a step: its last step hands no buffer back (see above).
+    int last_head = head_ratio - 1;
+    if constexpr (Mainloop::kSparse) {
+      for (int i = 0; i < head_ratio; ++i) {
+        if (Mainloop::walk(params.block_sparse, seq, bidh_kv * head_ratio + i, n_block).count() > 0) last_head = i;
+      }
+    }
 #pragma unroll 1  // 24 registers, as in load()
     for (int i = 0; i < head_ratio; ++i) {
       const int64_t row0 = seq.accum_row0 + (bidh_kv * head_ratio + i) * params.accum_head_stride;
       float* dq_accum = params.dq_accum + row0 * kHeadDim;
-      int* semaphore = params.dq_semaphore ? params.dq_semaphore + row0 / kBlockM : nullptr;
+      int* semaphore = kTurns && params.dq_semaphore ? params.dq_semaphore + row0 / kBlockM : nullptr;
+      const auto w = Mainloop::walk(params.block_sparse, seq, bidh_kv * head_ratio + i, n_block);
 #pragma unroll 1
-      for (int m_block = m_min; m_block < m_max; ++m_block) {
-        const bool last = !kReleaseLast && i == head_ratio - 1 && m_block == m_max - 1;
+      for (int v = 0; v < w.count(); ++v) {
+        const int m_block = w.block(params.block_sparse, v);
+        const bool last = !kReleaseLast && i == last_head && v == w.count() - 1;
         if (semaphore != nullptr && leader) {
           while (load_acquire_gpu(semaphore + m_block) != turn(seq.bm, n_block, m_block)) {
           }
@@ -168,7 +180,7 @@ struct EpilogueBwdSm90 {
   CUTE_DEVICE static DqRows dq_rows(Params const& params, Seq const& seq, int bidh, int warp_group) {
     const int64_t row0 = seq.accum_row0 + bidh * params.accum_head_stride;
     return {params.dq_accum + row0 * kHeadDim + warp_group * Traits::kdQChunk,
-            params.dq_semaphore ? params.dq_semaphore + row0 / kBlockM : nullptr};
+            kTurns && params.dq_semaphore ? params.dq_semaphore + row0 / kBlockM : nullptr};
   }
 
   // Head dims 192 / 256: adds this step's dQ into dq_accum with 16-byte reductions, in the post-pass's order.

@@ -189,8 +189,8 @@ struct BwdPersistentKernelSm90 {
       auto after_gemms = [&] {
         if (tidx % 128 == 0) smem.kv_empty.arrive();
       };
-      mainloop.mma(params.mainloop, pipeline, smem, epilogue, tdKrdK, tdVrdV, tidx, t.n_block, t.seq, read, r & 1,
-                   after_gemms, trace);
+      mainloop.mma(params.mainloop, pipeline, smem, epilogue, tdKrdK, tdVrdV, tidx, t.n_block, t.bidh_kv, t.seq, read,
+                   r & 1, after_gemms, trace);
       DkvStore::store_async(params.store, smem, tdKrdK, tdVrdV, params.epilogue.softmax_scale, tidx, t.n_block,
                             t.bidh_kv, t.seq.info.batch, m_min < m_max);
       if (tidx == 0) trace.stamp(TraceSlot::kMmaDone);

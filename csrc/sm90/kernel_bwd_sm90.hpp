@@ -24,11 +24,12 @@ namespace flash4 {
 
 using namespace cute;
 
-template <class Traits_, bool kCausal, bool kLocal>
+// Iter: the block iterator (common/block_sparse.hpp); SparseList walks a block mask's transposed lists.
+template <class Traits_, bool kCausal, bool kLocal, class Iter = DenseBand>
 struct BwdKernelSm90 {
   using Traits = Traits_;
-  using Mainloop = MainloopBwdSm90<Traits, kCausal, kLocal>;
-  using Epilogue = EpilogueBwdSm90<Traits, kCausal, kLocal>;
+  using Mainloop = MainloopBwdSm90<Traits, kCausal, kLocal, Iter>;
+  using Epilogue = EpilogueBwdSm90<Traits, kCausal, kLocal, Iter>;
   using SharedStorage = typename Traits::SharedStorage;
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kHeadDim = Traits::kHeadDim;
@@ -76,10 +77,11 @@ struct BwdKernelSm90 {
     const typename Mainloop::Seq seq = Mainloop::seq_of(params.mainloop, bidb);
     // Packed batches: the grid covers the longest sequence; blocks past this one's keys have nothing to do.
     if (n_block * kBlockN >= seq.info.seqlen_k) return;
-    if (threadIdx.x == 0) {
-      int m_min, m_max;
-      Mainloop::m_block_range(seq, n_block, m_min, m_max);
-      trace_info(params.trace, linear, uint32_t(cute::max(0, m_max - m_min)));
+    if (threadIdx.x == 0 && params.trace != nullptr) {
+      trace_info(params.trace, linear,
+                 uint32_t(Mainloop::total_steps(params.mainloop.block_sparse, seq, bidh_kv, params.mainloop.head_ratio,
+                                                n_block) /
+                          params.mainloop.head_ratio));
     }
     if (warp_group == 0) {
       arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
@@ -108,8 +110,8 @@ struct BwdKernelSm90 {
                           n_block, bidh_kv, seq);
       } else {
         typename Traits::PipelineState read;
-        mainloop.mma(params.mainloop, pipeline, smem, epilogue, tdKrdK, tdVrdV, thread_idx, n_block, seq, read,
-                     /*kv_phase=*/0, [] {}, trace);
+        mainloop.mma(params.mainloop, pipeline, smem, epilogue, tdKrdK, tdVrdV, thread_idx, n_block, bidh_kv, seq,
+                     read, /*kv_phase=*/0, [] {}, trace);
       }
       epilogue.store(params.epilogue, smem, tdKrdK, tdVrdV, thread_idx, n_block, bidh_kv, seq);
       if (thread_idx == 0) trace.stamp(TraceSlot::kMmaDone);

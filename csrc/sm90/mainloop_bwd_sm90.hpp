@@ -12,6 +12,7 @@
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
 #include "../common/block_info.hpp"
+#include "../common/block_sparse.hpp"
 #include "../common/fragment.hpp"
 #include "../common/sync.hpp"
 #include "../common/trace.hpp"
@@ -24,7 +25,9 @@ namespace flash4 {
 
 using namespace cute;
 
-template <class Traits_, bool kCausal, bool kLocal>
+// Iter: the block iterator (common/block_sparse.hpp): DenseBand visits the query blocks the causal / window
+// mask leaves a key tile, SparseList those a block mask's transposed lists name.
+template <class Traits_, bool kCausal, bool kLocal, class Iter = DenseBand>
 struct MainloopBwdSm90 {
   using Traits = Traits_;
   using Element = typename Traits::Element;
@@ -34,6 +37,9 @@ struct MainloopBwdSm90 {
   using SharedStorage = typename Traits::SharedStorage;
   using Mask = BlockMask<kBlockM, kBlockN, kCausal, kLocal>;
   using Scores = ScoresBwdSm90<kBlockM, kBlockN>;
+  static constexpr bool kSparse = kIsSparse<Iter>;
+  using Walk = std::conditional_t<kSparse, SparseWalk<kBlockM>, DenseWalkBwd>;
+  static_assert(!kSparse || kMaskBlock % kBlockN == 0, "a key tile must lie inside one mask block");
 
   using ShapeT = Shape<int32_t, int32_t, int32_t, int32_t>;  // (seqlen, head_dim, heads, batch)
   using StrideT = Stride<int64_t, _1, int64_t, int64_t>;
@@ -70,6 +76,7 @@ struct MainloopBwdSm90 {
     const int* cu_seqlens_k;
     const int* seqused_q;
     const int* seqused_k;
+    BlockSparseParams block_sparse;  // the transposed lists (key blocks listing query blocks), SparseList only
   };
 
   // Key blocks of a (head, batch): the grid's x extent, and the launch order's block extent.
@@ -122,7 +129,8 @@ struct MainloopBwdSm90 {
             p.cu_seqlens_q,
             p.cu_seqlens_k,
             p.seqused_q,
-            p.seqused_k};
+            p.seqused_k,
+            p.block_sparse};
   }
 
   // Where a CTA's sequence lives, its masks, and the first scratch row of (sequence, query head 0).
@@ -145,6 +153,36 @@ struct MainloopBwdSm90 {
   CUTE_DEVICE static void m_block_range(Seq const& seq, int n_block, int& m_min, int& m_max) {
     m_min = seq.bm.m_block_min(n_block);
     m_max = seq.bm.m_block_max(n_block);
+  }
+
+  // The query blocks that key tile n_block visits for query head bidh, as virtual steps [0, count()).
+  CUTE_DEVICE static Walk walk(BlockSparseParams const& lists, Seq const& seq, int bidh, int n_block) {
+    if constexpr (kSparse) {
+      return Walk(lists, seq.info.batch, bidh, n_block * kBlockN / kMaskBlock, seq.info.seqlen_q);
+    } else {
+      int m_min, m_max;
+      m_block_range(seq, n_block, m_min, m_max);
+      return Walk{m_min, cute::max(0, m_max - m_min)};
+    }
+  }
+  // Steps of a key tile over all query heads of its GQA group.
+  CUTE_DEVICE static int total_steps(BlockSparseParams const& lists, Seq const& seq, int bidh_kv, int head_ratio,
+                                     int n_block) {
+    if constexpr (kSparse) {
+      int total = 0;
+      for (int i = 0; i < head_ratio; ++i) total += walk(lists, seq, bidh_kv * head_ratio + i, n_block).count();
+      return total;
+    } else {
+      return walk(lists, seq, 0, n_block).count() * head_ratio;
+    }
+  }
+  // The mask of step v: the call's (dense band), or per block (StepMask: partial or full).
+  CUTE_DEVICE static auto step_mask(Seq const& seq, Walk const& w, int v) {
+    if constexpr (kSparse) {
+      return StepMask<Mask>{seq.bm, w.is_partial(v)};
+    } else {
+      return seq.bm;
+    }
   }
 
   // `state` carries across the tiles of a persistent CTA; before_kv(prefetch_kv) runs before K and V are loaded
@@ -182,12 +220,11 @@ struct MainloopBwdSm90 {
     copy(params.tma_v.with(reinterpret_cast<BarrierT&>(smem.barrier_kv)), get<0>(tV), get<1>(tV));
     trace.stamp(TraceSlot::kProducerIssued);
 
-    int m_min, m_max;
-    m_block_range(seq, n_block, m_min, m_max);
     // Not unrolled: the producer warpgroup runs on 24 registers, and unrolled copies of this loop spill.
 #pragma unroll 1
     for (int i = 0; i < params.head_ratio; ++i) {
       const int bidh = bidh_kv * params.head_ratio + i;
+      const Walk w = walk(params.block_sparse, seq, bidh, n_block);
       Tensor gQ = local_tile(rows_q(params.tma_q.get_tma_tensor(params.shape_q)(_, _, bidh, si.batch)), TileQ{},
                              make_coord(_, _0{}));  // (M, D, m)
       Tensor gdO = local_tile(rows_q(params.tma_do.get_tma_tensor(params.shape_q)(_, _, bidh, si.batch)), TileQ{},
@@ -202,7 +239,8 @@ struct MainloopBwdSm90 {
       auto tDpsum =
           tma_partition(params.tma_dpsum, _0{}, Layout<_1>{}, group_modes<0, 1>(sDpsum), group_modes<0, 1>(gDpsum));
 #pragma unroll 1
-      for (int m_block = m_min; m_block < m_max; ++m_block) {
+      for (int v = 0; v < w.count(); ++v) {
+        const int m_block = w.block(params.block_sparse, v);
         pipeline.producer_acquire(state);
         BarrierT* bar = pipeline.producer_get_barrier(state);
         const int s = state.index();
@@ -219,7 +257,7 @@ struct MainloopBwdSm90 {
   template <class Epilogue, class FragKV, class AfterGemms>
   CUTE_DEVICE void mma(Params const& params, typename Traits::PipelineQdO& pipeline, SharedStorage& smem,
                        Epilogue const& epilogue, FragKV& tdKrdK, FragKV& tdVrdV, int thread_idx, int n_block,
-                       Seq const& seq, typename Traits::PipelineState& read, int kv_phase,
+                       int bidh_kv, Seq const& seq, typename Traits::PipelineState& read, int kv_phase,
                        AfterGemms&& after_gemms, TraceRow const& trace) const {
     typename Traits::TiledMmaSdP mma_sdp;
     typename Traits::TiledMmadKV mma_dkv;
@@ -279,9 +317,9 @@ struct MainloopBwdSm90 {
 
     clear(tdKrdK);
     clear(tdVrdV);
-    int m_min, m_max;
-    m_block_range(seq, n_block, m_min, m_max);
-    if (m_min < m_max) epilogue.start_dq(warp_group, wg_thread);
+    if (total_steps(params.block_sparse, seq, bidh_kv, params.head_ratio, n_block) > 0) {
+      epilogue.start_dq(warp_group, wg_thread);
+    }
     smem.barrier_kv.wait(kv_phase);
     if (thread_idx == 0) trace.stamp(TraceSlot::kFirstKV);
 
@@ -289,7 +327,9 @@ struct MainloopBwdSm90 {
     // Only its index is kept (consumer_release reads nothing else): registers are at their limit here.
     int prev_stage = -1;
     for (int i = 0; i < params.head_ratio; ++i) {
-      for (int m_block = m_min; m_block < m_max; ++m_block) {
+      const Walk w = walk(params.block_sparse, seq, bidh_kv * params.head_ratio + i, n_block);
+      for (int v = 0; v < w.count(); ++v) {
+        const int m_block = w.block(params.block_sparse, v);
         const int s = read.index();
         pipeline.consumer_wait(read);
         // K's and V's descriptors are the same every step, but made here from an opaque base: precomputed
@@ -303,7 +343,7 @@ struct MainloopBwdSm90 {
 
         const float* lse_s = &sLse(query_thr, s);
         const float* dpsum_s = &sDpsum(query_thr, s);
-        Scores::probabilities(params, seq.bm, tSrS_rc, tScS_rc, tScS0_rc, lse_s, n_block, m_block);
+        Scores::probabilities(params, step_mask(seq, w, v), tSrS_rc, tScS_rc, tScS0_rc, lse_s, n_block, m_block);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tSrdP);
         Scores::ds_from_dp(params, tSrdP_rc, tSrS_rc, tScS0_rc, dpsum_s, lse_s);
@@ -405,16 +445,16 @@ struct MainloopBwdSm90 {
 
     clear(tdKrdK);
     clear(tdVrdV);
-    int m_min, m_max;
-    m_block_range(seq, n_block, m_min, m_max);
     smem.barrier_kv.wait(0);
 
     typename Traits::PipelineState read;
 #pragma unroll 1
     for (int i = 0; i < params.head_ratio; ++i) {
       const auto dq = epilogue.dq_rows(epilogue_params, seq, bidh_kv * params.head_ratio + i, warp_group);
+      const Walk w = walk(params.block_sparse, seq, bidh_kv * params.head_ratio + i, n_block);
 #pragma unroll 1
-      for (int m_block = m_min; m_block < m_max; ++m_block) {
+      for (int v = 0; v < w.count(); ++v) {
+        const int m_block = w.block(params.block_sparse, v);
         const int s = read.index();
         pipeline.consumer_wait(read);
         warpgroup_gemm</*zero_init=*/true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, s), tSrS);
@@ -423,7 +463,7 @@ struct MainloopBwdSm90 {
         warpgroup_fence_operand(tSrS);
         const float* lse_s = &sLse(query_thr, s);
         const float* dpsum_s = &sDpsum(query_thr, s);
-        Scores::probabilities(params, seq.bm, tSrS_rc, tScS_rc, tScS0_rc, lse_s, n_block, m_block);
+        Scores::probabilities(params, step_mask(seq, w, v), tSrS_rc, tScS_rc, tScS0_rc, lse_s, n_block, m_block);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tSrdP);
         Scores::ds_from_dp(params, tSrdP_rc, tSrS_rc, tScS0_rc, dpsum_s, lse_s);

@@ -200,12 +200,12 @@ struct MainloopFwdSm90 {
     // n_block: a virtual block (see walk()).
     auto load_k = [&](int n_block) {
       pipeline_k.producer_acquire(state);
-      copy(params.tma_k.with(*pipeline_k.producer_get_barrier(state)), tKgK(_, walk.block(n_block)),
-           tKsK(_, state.index()));
+      copy(params.tma_k.with(*pipeline_k.producer_get_barrier(state)),
+           tKgK(_, walk.block(params.block_sparse, n_block)), tKsK(_, state.index()));
     };
     auto load_v = [&](int n_block, typename Traits::PipelineState const& st) {
       pipeline_v.producer_acquire(st);
-      copy(params.tma_v.with(*pipeline_v.producer_get_barrier(st)), tVgV(_, walk.block(n_block)),
+      copy(params.tma_v.with(*pipeline_v.producer_get_barrier(st)), tVgV(_, walk.block(params.block_sparse, n_block)),
            tVsV(_, st.index()));
     };
 
@@ -271,11 +271,12 @@ struct MainloopFwdSm90 {
     // v: a virtual block. A sparse walk's full blocks take only the key-length mask.
     auto mask = [&](int v) {
       if constexpr (kSparse) {
-        const int col0 = walk.block(v) * kBlockN;
+        const int col0 = walk.block(params.block_sparse, v) * kBlockN;
         if (walk.is_partial(v)) {
           apply_mask(tSrS_rc, tScS_rc, row0, col0, bm);
         } else {
-          apply_mask(tSrS_rc, tScS_rc, row0, col0, BlockMask<kBlockM, kBlockN, false, false>(bm.seqlen_q, bm.seqlen_k, 0, 0));
+          using KeyEnd = BlockMask<kBlockM, kBlockN, false, false>;
+          apply_mask(tSrS_rc, tScS_rc, row0, col0, KeyEnd(bm.seqlen_q, bm.seqlen_k, 0, 0));
         }
       } else {
         apply_mask(tSrS_rc, tScS_rc, row0, v * kBlockN, bm);
@@ -357,7 +358,7 @@ struct MainloopFwdSm90 {
     if constexpr (kSparse) {
       // Partial blocks (on top) take the element mask; a full block only where it holds the key end.
       for (; n_block >= 0; --n_block) {
-        if (walk.is_partial(n_block) || (walk.block(n_block) + 1) * kBlockN > bm.seqlen_k) {
+        if (walk.is_partial(n_block) || (walk.block(params.block_sparse, n_block) + 1) * kBlockN > bm.seqlen_k) {
           step(n_block, cute::true_type{});
         } else {
           step(n_block, cute::false_type{});
