@@ -28,9 +28,9 @@ HDIMS = (64, 96, 128, 192, 256)
 # (causal, local) mask variants: none, causal, sliding window (which also serves causal + left window).
 MASKS = ((False, False), (True, False), (False, True))
 DIRECTIONS = ("fwd", "bwd")
-# Block-sparse kernels (SparseList, sm90, forward and backward): head dims whose forward causal tile's kBlockN
-# divides the mask's 128-key blocks (csrc/common/tile_size.h: 128 up to head dim 128, 64 at 256; 192's 112
-# does not); the backward's tiles (64 queries x 128 or 64 keys) divide them at every head dim.
+# Block-sparse kernels (SparseList, both families, forward and backward): head dims whose sm90 forward causal
+# tile's kBlockN divides the mask's 128-key blocks (csrc/common/tile_size.h: 128 up to head dim 128, 64 at
+# 256; 192's 112 does not); every other tile (sm90 backward, sm80) divides them at every head dim.
 SPARSE_HDIMS = (64, 96, 128, 256)
 
 _CPP_DTYPE = {"bf16": "DType::kBF16", "fp16": "DType::kFP16"}
@@ -45,7 +45,7 @@ class Kernel:
     hdim: int
     causal: bool
     local: bool = False
-    sparse: bool = False  # walks a block mask's lists (SparseList), sm90
+    sparse: bool = False  # walks a block mask's lists (SparseList)
 
     @property
     def name(self) -> str:
@@ -118,13 +118,14 @@ def decode_kernels(dtypes=DTYPES, hdims=HDIMS) -> list[DecodeKernel]:
 def kernels(archs=ARCHS, dtypes=DTYPES, hdims=HDIMS, sparse=True) -> list[Kernel]:
     """Every (direction, family, dtype, head dim, mask) of the families `archs` (build targets) ask for: each
     built family has both directions of every mask, so the Python side can take one kernel family for a
-    whole call (flash_attn4/_build_info.py). `sparse` adds the sm90 block-sparse kernels of SPARSE_HDIMS, both
-    directions."""
+    whole call (flash_attn4/_build_info.py). `sparse` adds the block-sparse kernels of SPARSE_HDIMS, both
+    directions, of each family."""
     combos = itertools.product(DIRECTIONS, families(archs), dtypes, hdims, MASKS)
     ks = [Kernel(direction, a, d, h, c, lo) for direction, a, d, h, (c, lo) in combos]
-    if sparse and 90 in families(archs):
-        combos = itertools.product(DIRECTIONS, dtypes, [h for h in hdims if h in SPARSE_HDIMS], MASKS)
-        ks += [Kernel(direction, 90, d, h, c, lo, sparse=True) for direction, d, h, (c, lo) in combos]
+    if sparse:
+        hs = [h for h in hdims if h in SPARSE_HDIMS]
+        combos = itertools.product(DIRECTIONS, families(archs), dtypes, hs, MASKS)
+        ks += [Kernel(direction, a, d, h, c, lo, sparse=True) for direction, a, d, h, (c, lo) in combos]
     return ks
 
 

@@ -6,11 +6,12 @@
     flash_attn4::bwd_block_sparse(dout, dlse?, q, k, v, out, lse, <the same lists and options>)
                                   -> (dq, dk, dv)
 
-Both directions run the sm90 block-sparse kernels (they walk the lists: skipped blocks cost nothing) where
-`kernel_plan` finds one, else the PyTorch reference (`_reference_general`). The forward reads the query
-blocks' lists (kv_*, full_*), the backward their transpose (q_*, full_q_*: the query blocks that read each
-key block), which BlockMask builds once. The block-sparse backward kernel has no deterministic mode: with
-deterministic=True the gradients come from the reference (bitwise reproducible, at dense cost or more).
+Both directions run the block-sparse kernels (sm90, or the sm80 path; they walk the lists, so skipped
+blocks cost nothing) where `kernel_plan` finds one, else the PyTorch reference (`_reference_general`). The
+forward reads the query blocks' lists (kv_*, full_*), the backward their transpose (q_*, full_q_*: the query
+blocks that read each key block), which BlockMask builds once. The block-sparse backward kernel has no
+deterministic mode: with deterministic=True the gradients come from the reference (bitwise reproducible,
+at dense cost or more).
 
 No `from __future__ import annotations` here: custom_op reads the schema from real annotations.
 """
@@ -33,11 +34,11 @@ def kernel_plan(
     if plan is None:
         return None, why
     dpad = _build_info.padded_hdim(q.shape[-1])
-    if plan.arch != 90 or dpad not in _build_info.BLOCK_SPARSE_HDIMS or block_size != BLOCK:
+    if dpad not in _build_info.BLOCK_SPARSE_HDIMS or block_size != BLOCK:
         return None, (
-            f"the block-sparse kernels run on sm90 with {BLOCK}-token blocks at head dims "
-            f"{_build_info.BLOCK_SPARSE_HDIMS or '(none built)'} (this call: sm{plan.arch}, block "
-            f"{block_size}, head dim {q.shape[-1]}); the PyTorch reference runs"
+            f"the block-sparse kernels take {BLOCK}-token blocks at head dims "
+            f"{_build_info.BLOCK_SPARSE_HDIMS or '(none built)'} (this call: block {block_size}, head dim "
+            f"{q.shape[-1]}); the PyTorch reference runs"
         )
     return plan, ""
 

@@ -63,8 +63,8 @@ def main() -> int:
     ap.add_argument("--mask", choices=("none", "causal", "local"), default="none")
     ap.add_argument(
         "--only",
-        help="comma-separated subset of fwd90,bwd90,fwd80,bwd80,decode,decode_paged,fwd90sparse,bwd90sparse "
-        "(default: all but the block-sparse ones)",
+        help="comma-separated subset of fwd90,bwd90,fwd80,bwd80,decode,decode_paged and the block-sparse "
+        "fwd90sparse,bwd90sparse,fwd80sparse,bwd80sparse (default: all but the block-sparse ones)",
     )
     ap.add_argument("--keep", type=Path, help="keep the objects in this folder (for tools/sass_stats.py)")
     ap.add_argument(
@@ -91,11 +91,13 @@ def main() -> int:
             for k in [generate_kernels.Kernel(name[:3], int(name[3:]), args.dtype, args.hdim, causal, local)]
         ]
         + [
-            (k, 90, (name[:3], 90))
-            for name in ("fwd90sparse", "bwd90sparse")
+            (k, 90 if k.arch == 90 else args.target, (k.direction, k.arch))
+            for name in ("fwd90sparse", "bwd90sparse", "fwd80sparse", "bwd80sparse")
             if name in wanted
             for k in [
-                generate_kernels.Kernel(name[:3], 90, args.dtype, args.hdim, causal, local, sparse=True)
+                generate_kernels.Kernel(
+                    name[:3], int(name[3:5]), args.dtype, args.hdim, causal, local, sparse=True
+                )
             ]
         ]
         + [

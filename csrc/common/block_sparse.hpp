@@ -30,6 +30,7 @@ inline constexpr bool kIsSparse = std::is_same_v<Iter, SparseList>;
 
 struct DenseWalk {
   CUTE_HOST_DEVICE int block(BlockSparseParams const&, int v) const { return v; }
+  CUTE_HOST_DEVICE bool is_partial(int) const { return true; }
 };
 
 // One row of the lists: mask row `row` (a query block forward, a key block backward) of (batch, head);
@@ -47,6 +48,7 @@ struct SparseWalk {
   int n_slots;
   int last;  // the sequence's last mask block
 
+  SparseWalk() = default;
   CUTE_DEVICE SparseWalk(BlockSparseParams const& p, int bidb, int bidh, int row, int length) {
     const int64_t c = bidb * p.count_batch_stride + bidh * p.count_head_stride + row * p.count_row_stride;
     offset = int(bidb * p.index_batch_stride + bidh * p.index_head_stride + row * p.index_row_stride);
@@ -87,5 +89,14 @@ struct StepMask {
   }
   CUTE_DEVICE bool masked(int row, int col) const { return (col >= bm.seqlen_k) | (partial & bm.masked(row, col)); }
 };
+
+// The same, as a BlockMask (block_info.hpp) for the kernels that take one: a full block's mask is the call's
+// with both window sides unbounded, which leaves only the key end (tile_needs_mask, masked and apply_mask
+// then need no second code path).
+template <class Mask>
+CUTE_DEVICE Mask step_block_mask(Mask bm, bool partial) {
+  if (!partial) bm.left = bm.right = bm.seqlen_q + bm.seqlen_k + 1;
+  return bm;
+}
 
 }  // namespace flash4

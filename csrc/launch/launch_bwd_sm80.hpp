@@ -18,7 +18,7 @@ template <class Element, int kHeadDim>
 using BwdTraitsSm80Of = BwdTraitsSm80<Element, kHeadDim, bwd_tile_sm80(kHeadDim).block_m,
                                       bwd_tile_sm80(kHeadDim).block_n, bwd_tile_sm80(kHeadDim).warps>;
 
-template <DType kDType, int kHeadDim, bool kCausal, bool kLocal>
+template <DType kDType, int kHeadDim, bool kCausal, bool kLocal, class Iter = DenseBand>
 void run_bwd_sm80(const BwdParams& p, cudaStream_t stream) {
   using Element = CutlassElement<kDType>;
   using Traits = BwdTraitsSm80Of<Element, kHeadDim>;
@@ -28,7 +28,7 @@ void run_bwd_sm80(const BwdParams& p, cudaStream_t stream) {
   // (fixed-length batches) take the kernel without row predicates.
   const bool even = tiles_even(p, Traits::kBlockM, Traits::kBlockN);
   auto launch = [&](auto softcap, auto even_c) {
-    using Kernel = BwdKernelSm80<Traits, kCausal, kLocal, decltype(softcap)::value, decltype(even_c)::value>;
+    using Kernel = BwdKernelSm80<Traits, kCausal, kLocal, decltype(softcap)::value, decltype(even_c)::value, Iter>;
     launch_kernel<Kernel>(kernel_entry_sm80<Kernel>, p, stream, "sm80 backward kernel launch");
   };
   if (p.softcap > 0.f) {

@@ -14,6 +14,7 @@
 #include <cutlass/numeric_conversion.h>
 
 #include "../common/block_info.hpp"
+#include "../common/block_sparse.hpp"
 #include "../common/bwd_prepost.cuh"
 #include "../common/fragment.hpp"
 #include "../common/fast_math.hpp"
@@ -31,7 +32,10 @@ using namespace cute;
 // the middle of the step, even when jumped over, splits the basic block that ptxas schedules the exp2/dS work in.
 // kEven: seqlen_q and seqlen_k are multiples of the tile and the batch is not packed: loads without row
 // predicates and, without causal/window, no mask code in the loop (as the sm80 forward's kEven).
-template <class Traits_, bool kCausal, bool kLocal = false, bool kSoftcap = false, bool kEven = false>
+// Iter: the block iterator (common/block_sparse.hpp): the query blocks of the band (DenseBand) or those a
+// block mask's transposed lists name (SparseList; each step's mask from step_block_mask).
+template <class Traits_, bool kCausal, bool kLocal = false, bool kSoftcap = false, bool kEven = false,
+          class Iter = DenseBand>
 struct BwdKernelSm80 {
   using Traits = Traits_;
   using Element = typename Traits::Element;
@@ -39,9 +43,14 @@ struct BwdKernelSm80 {
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kHeadDim = Traits::kHeadDim;
   static constexpr int kNumThreads = Traits::kNumThreads;
-  static constexpr int kSmemBytes = Traits::kSmemBytes;
+  // SparseList: the step cursor and the next steps' (head, query block, partial) in shared memory past the
+  // traits' buffers (see operator()).
+  static constexpr int kStepBytes = kIsSparse<Iter> ? 64 : 0;
+  static constexpr int kSmemBytes = Traits::kSmemBytes + kStepBytes;
   using Params = BwdParams;  // plain pointers and strides
   using Mask = BlockMask<kBlockM, kBlockN, kCausal, kLocal>;
+  static constexpr bool kSparse = kIsSparse<Iter>;
+  using Walk = SparseWalk<kBlockM>;  // SparseList only
 
   static Params to_params(BwdParams const& p) { return p; }
   // dK and dV leave through shared memory as 16-byte row pieces (store_staged, from a function of its own)
@@ -105,7 +114,33 @@ struct BwdKernelSm80 {
     const float scale_log2 = p.score_scale_log2(), softcap_scale = p.softcap_scale();
     const int m_min = bm.m_block_min(n_block), m_max = bm.m_block_max(n_block);
     const int num_m = cute::max(0, m_max - m_min);
-    const int steps = num_m * head_ratio;
+    int steps = num_m * head_ratio;
+    // SparseList: the steps walk (query head i, virtual block v of head i's walk w); advance() moves to the
+    // next step, skipping heads whose lists are empty for this key block. The cursor runs one step ahead in
+    // shared memory (thread 0 moves it at the end of each step, publishing step t + 2's (head, query block,
+    // partial) in the slot step t read), so that registers carry a step's (head, query block) as the band's
+    // loop does: a cursor in registers through the step spilled 56-80 bytes.
+    auto head_walk = [&](int i) {
+      return Walk(p.block_sparse, seq.batch, bidh_kv * head_ratio + i, n_block * kBlockN / kMaskBlock, seqlen_q);
+    };
+    struct Cursor {
+      int i, v;
+      Walk w;
+    };
+    struct Step {
+      int bidh, m_block, partial;
+    };
+    auto advance = [&](Cursor& c) {
+      if (++c.v < c.w.count()) return;
+      c.v = 0;
+      while (++c.i < head_ratio) {
+        c.w = head_walk(c.i);
+        if (c.w.count() > 0) return;
+      }
+    };
+    auto step_of = [&](Cursor const& c) {
+      return Step{bidh_kv * head_ratio + c.i, c.w.block(p.block_sparse, c.v), c.w.is_partial(c.v)};
+    };
 
     // Shared memory: K, V, kStages x (Q, dO), dS^T, kStages x (lse_log2, D). (Local copies of the sizes: a
     // static data member named in device code must not be odr-used.)
@@ -117,6 +152,24 @@ struct BwdKernelSm80 {
     Element* q_base = smem + 2 * kElemsKV;
     Element* ds_base = q_base + 2 * kStages * kElemsQ;
     float* row_base = reinterpret_cast<float*>(ds_base + kElemsdS);
+    Step* step_slots = reinterpret_cast<Step*>(row_base + kStages * 2 * kBlockM);  // SparseList: [2]
+    Cursor* cursor = reinterpret_cast<Cursor*>(step_slots + 2);
+    static_assert(2 * sizeof(Step) + sizeof(Cursor) <= kStepBytes || !kSparse, "the step slots fit");
+    Step first{};
+    if constexpr (kSparse) {
+      steps = 0;
+      for (int i = 0; i < head_ratio; ++i) steps += head_walk(i).count();
+      if (steps > 0) {
+        Cursor c{0, -1, head_walk(0)};
+        advance(c);
+        first = step_of(c);
+        if (tid == 0) {
+          step_slots[0] = first;
+          if (steps > 1) advance(c), step_slots[1] = step_of(c);
+          *cursor = c;
+        }
+      }
+    }
     auto stage_ptr = [&](int s, int which) { return q_base + (2 * s + which) * kElemsQ; };  // 0 Q, 1 dO
     Tensor sKt = make_tensor(sK.data(), typename Traits::SmemLayoutKt{});
     Tensor sdSt = make_tensor(make_smem_ptr(ds_base), typename Traits::SmemLayoutdSt{});
@@ -167,7 +220,9 @@ struct BwdKernelSm80 {
         SM80_CP_ASYNC_CACHEALWAYS<float>::copy(p.dpsum[row], rows[kBlockM]);
       }
     };
-    if (steps > 0) load_step(bidh_kv * head_ratio, m_min, 0);
+    int bidh = bidh_kv * head_ratio, m_block = m_min;
+    if constexpr (kSparse) bidh = first.bidh, m_block = first.m_block;
+    if (steps > 0) load_step(bidh, m_block, 0);
     cp_async_fence();
 
     typename Traits::TiledMmaKey mma;
@@ -217,15 +272,21 @@ struct BwdKernelSm80 {
       copy(copy_a, tSsV, copy_a.get_thread_slice(tid_k).retile_D(tSrV));
     }
 
-    int bidh = bidh_kv * head_ratio, m_block = m_min;
 #pragma unroll 1
     for (int t = 0; t < steps; ++t) {
       const int s = t & 1;
+      // The next step's (head, query block). SparseList: found where its loads go out and again at the end of
+      // the step, so that no second cursor stays live through the step's GEMMs (it spilled).
       const bool last_of_head = m_block + 1 == m_max;
       const int next_bidh = last_of_head ? bidh + 1 : bidh, next_m_block = last_of_head ? m_min : m_block + 1;
       cp_async_wait<0>();
       __syncthreads();  // this step's tiles visible; every warp is done with the other buffer and with dS
 
+      bool partial = true;
+      if constexpr (kSparse) {
+        const Step step = step_slots[s];
+        bidh = step.bidh, m_block = step.m_block, partial = step.partial;
+      }
       Tensor sQ = make_tensor(make_smem_ptr(stage_ptr(s, 0)), typename Traits::SmemLayoutQ{});
       Tensor sdO = make_tensor(make_smem_ptr(stage_ptr(s, 1)), typename Traits::SmemLayoutQ{});
       Tensor sQt = make_tensor(make_smem_ptr(stage_ptr(s, 0)), typename Traits::SmemLayoutQt{});
@@ -251,7 +312,8 @@ struct BwdKernelSm80 {
       // element inside the probabilities loop cost every step 266 instructions and kept ptxas from
       // interleaving that loop with the dP^T GEMM (hdim 128 causal: 1251 vs the non-causal 985 instructions a
       // step); here a step that needs no mask runs the non-causal schedule.
-      const bool need_mask = (!kEven || kCausal || kLocal) && bm.tile_needs_mask(m_block, n_block);
+      const Mask step_bm = kSparse ? step_block_mask(bm, partial) : bm;
+      const bool need_mask = (!kEven || kCausal || kLocal) && step_bm.tile_needs_mask(m_block, n_block);
       if constexpr (Traits::kKVInRegs) {
         gemm_rs(mma, tSrK, tSrQ, tSrS, copy_b.get_thread_slice(tid_k).partition_S(sQ), copy_b);
       } else {
@@ -263,7 +325,7 @@ struct BwdKernelSm80 {
           const int query = m_block * kBlockM + get<1>(tScS_rc(0, c));
 #pragma unroll
           for (int r = 0; r < size<0>(tSrS_rc); ++r) {
-            if (bm.masked(query, n_block * kBlockN + get<0>(tScS_rc(r, c)))) tSrS_rc(r, c) = -INFINITY;
+            if (step_bm.masked(query, n_block * kBlockN + get<0>(tScS_rc(r, c)))) tSrS_rc(r, c) = -INFINITY;
           }
         }
       }
@@ -274,7 +336,14 @@ struct BwdKernelSm80 {
       }
       // The next block's loads go out behind the first GEMMs, not right after the barrier, where every warp
       // would issue their address arithmetic at once while the tensor cores wait.
-      if (t + 1 < steps) load_step(next_bidh, next_m_block, s ^ 1);
+      if (t + 1 < steps) {
+        if constexpr (kSparse) {
+          const Step next = step_slots[s ^ 1];
+          load_step(next.bidh, next.m_block, s ^ 1);
+        } else {
+          load_step(next_bidh, next_m_block, s ^ 1);
+        }
+      }
       cp_async_fence();
 
       // P^T = exp2(S^T * scale_log2 - lse_log2[q]) (0 where masked: S = -inf), dS^T = P^T * (dP^T - D[q]).
@@ -336,7 +405,8 @@ struct BwdKernelSm80 {
 
       // dQ into dq_accum in register order (see the top of this file). Deterministic: in turn.
       const int64_t row0 = accum_row(bidh);
-      int* semaphore = p.dq_semaphore ? p.dq_semaphore + row0 / kBlockM + m_block : nullptr;
+      // (No deterministic mode with a block mask: turn() follows the band; the host never asks for it.)
+      int* semaphore = !kSparse && p.dq_semaphore ? p.dq_semaphore + row0 / kBlockM + m_block : nullptr;
       if (semaphore != nullptr) {
         if (tid == 0) {
           while (load_acquire_gpu(semaphore) != turn(bm, n_block, m_block)) {
@@ -354,8 +424,18 @@ struct BwdKernelSm80 {
       }
 
       if constexpr (kSplit == 1) gemm_dk();
-      bidh = next_bidh;
-      m_block = next_m_block;
+      if constexpr (kSparse) {
+        // Every thread read slot s before the dS^T barrier above; the next loop's barrier publishes step t + 2.
+        if (tid == 0 && t + 2 < steps) {
+          Cursor c = *cursor;
+          advance(c);
+          step_slots[s] = step_of(c);
+          *cursor = c;
+        }
+      } else {
+        bidh = next_bidh;
+        m_block = next_m_block;
+      }
     }
 
     cp_async_wait<0>();  // a key block no query sees skipped the loop with its K/V copies still in flight

@@ -15,7 +15,10 @@
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_conversion.h>
 
+#include <climits>
+
 #include "../common/block_info.hpp"
+#include "../common/block_sparse.hpp"
 #include "../common/mask.hpp"
 #include "../common/softmax.hpp"
 #include "../common/tile_order.hpp"
@@ -31,7 +34,10 @@ using namespace cute;
 // kEven: seqlen_q and seqlen_k are multiples of the tile and the batch is not packed, so the loads carry no
 // row predicates and, without causal/window, the loop no mask code: 1069 -> 897 instructions a step at hdim 64
 // (the predicates' address and zero-fill code was live in every step).
-template <class Traits_, bool kCausal, bool kLocal = false, bool kSoftcap = false, bool kEven = false>
+// Iter: the block iterator (common/block_sparse.hpp): the loop walks virtual blocks v and loads key block
+// walk.block(v): the band itself (DenseBand) or a block mask's lists (SparseList, partial blocks first).
+template <class Traits_, bool kCausal, bool kLocal = false, bool kSoftcap = false, bool kEven = false,
+          class Iter = DenseBand>
 struct FwdKernelSm80 {
   using Traits = Traits_;
   using Element = typename Traits::Element;
@@ -42,6 +48,8 @@ struct FwdKernelSm80 {
   static constexpr int kStages = Traits::kStages;
   static constexpr int kSmemBytes = Traits::kSmemBytes;
   using Params = FwdParams;  // plain pointers and strides: no descriptors to build on the host
+  static constexpr bool kSparse = kIsSparse<Iter>;
+  using Walk = std::conditional_t<kSparse, SparseWalk<kBlockN>, DenseWalk>;
 
   static Params to_params(FwdParams const& p) { return p; }
   static dim3 grid(FwdParams const& p) {
@@ -82,7 +90,20 @@ struct FwdKernelSm80 {
                  int64_t(seq.offset_q) * p.o_row_stride;
     float* lse = p.lse + seq.batch * p.lse_batch_stride + bidh * p.lse_head_stride + seq.offset_q;
     const BlockMask<kBlockM, kBlockN, kCausal, kLocal> bm(seqlen_q, seqlen_k, p.window_left, p.window_right);
-    const int n_min = bm.n_block_min(m_block), n_max = bm.n_block_max(m_block);
+    // Virtual blocks [n_min, n_max) (the band's are the key blocks themselves).
+    const Walk walk = [&] {
+      if constexpr (kSparse) {
+        return Walk(p.block_sparse, bidb, bidh, m_block, seqlen_k);
+      } else {
+        return Walk{};
+      }
+    }();
+    int n_min = 0, n_max = 0;
+    if constexpr (kSparse) {
+      n_max = walk.count();
+    } else {
+      n_min = bm.n_block_min(m_block), n_max = bm.n_block_max(m_block);
+    }
     if (n_max <= n_min) {
       write_empty(p, o, lse, m_block, seqlen_q);
       return;
@@ -122,7 +143,8 @@ struct FwdKernelSm80 {
     auto in_stage = [](auto const& t, int s) {
       return make_tensor(t.data() + (kStages == 2 ? s : 0) * Traits::kElemsKV, t.layout());
     };
-    int n = n_max - 1;
+    int v = n_max - 1;  // the virtual block; n = walk.block(v) the key block
+    int n = walk.block(p.block_sparse, v);
     copy_rows<kEven>(gmem_copy, tQgQ, tQsQ, tQcQ, seqlen_q - m_block * kBlockM);
     copy_rows<kEven>(gmem_copy, tKgK(_, _, _, n), tKsK, tKVcKV, seqlen_k - n * kBlockN);
     if constexpr (kStages == 2) copy_rows<kEven>(gmem_copy, tVgV(_, _, _, n), tVsV, tKVcKV, seqlen_k - n * kBlockN);
@@ -152,15 +174,18 @@ struct FwdKernelSm80 {
     const float softcap_scale = p.softcap_scale();
 
     // Key blocks from mask_from on may hold keys past seqlen_k or right of some row's diagonal; with a
-    // window, blocks below mask_below may hold keys left of some row's window.
-    int mask_from = seqlen_k % kBlockN == 0 ? n_max : n_max - 1;
+    // window, blocks below mask_below may hold keys left of some row's window. A block mask's full blocks
+    // take only the key end: the last key block, from key_mask_from on.
+    const int key_mask_from = seqlen_k % kBlockN == 0 ? INT_MAX : (seqlen_k - 1) / kBlockN;
+    int mask_from = kSparse ? key_mask_from : seqlen_k % kBlockN == 0 ? n_max : n_max - 1;
     if constexpr (kCausal || kLocal) {
       mask_from = cute::min(mask_from, bm.n_block_right_mask_min(m_block));
     }
     const int mask_below = bm.n_block_left_mask_max(m_block);
 
 #pragma unroll 1
-    for (bool first = true, stage = false; n >= n_min; --n, first = false, stage = !stage) {
+    for (bool first = true, stage = false; v >= n_min; --v, first = false, stage = !stage) {
+      n = walk.block(p.block_sparse, v);
       Tensor tSrS = partition_fragment_C(tiled_mma, TileS{});
       clear(tSrS);
       cp_async_wait<0>();
@@ -168,10 +193,11 @@ struct FwdKernelSm80 {
       // Q) visible to all, every warp done with V[n + 1].
       __syncthreads();
       if constexpr (kStages == 2) {
-        if (n > n_min) {
-          const int rows = seqlen_k - (n - 1) * kBlockN;
-          copy_rows<kEven>(gmem_copy, tKgK(_, _, _, n - 1), in_stage(tKsK, !stage), tKVcKV, rows);
-          copy_rows<kEven>(gmem_copy, tVgV(_, _, _, n - 1), in_stage(tVsV, !stage), tKVcKV, rows);
+        if (v > n_min) {
+          const int next = walk.block(p.block_sparse, v - 1);
+          const int rows = seqlen_k - next * kBlockN;
+          copy_rows<kEven>(gmem_copy, tKgK(_, _, _, next), in_stage(tKsK, !stage), tKVcKV, rows);
+          copy_rows<kEven>(gmem_copy, tVgV(_, _, _, next), in_stage(tVsV, !stage), tKVcKV, rows);
           cp_async_fence();
         }
       } else {
@@ -182,20 +208,28 @@ struct FwdKernelSm80 {
       gemm_smem(tiled_mma, tSrQ, tSrK, tSrS, tSsQ, in_stage(tSsK, stage), copy_q, copy_k);
       if constexpr (kSoftcap) apply_softcap(tSrS, softcap_scale);
       Tensor tSrS_rc = make_tensor(tSrS.data(), sm80_acc_rowcol_layout(tSrS.layout()));
-      if ((!kEven || kCausal || kLocal) && (n >= mask_from || (kLocal && n < mask_below))) {
+      // A block mask's partial blocks take the element mask where the band would, its full ones only the key
+      // end (step_block_mask).
+      const bool partial = walk.is_partial(v);
+      const bool need_mask =
+          kSparse ? (!kEven && n >= key_mask_from) ||
+                        ((kCausal || kLocal) && partial && (n >= mask_from || (kLocal && n < mask_below)))
+                  : (!kEven || kCausal || kLocal) && (n >= mask_from || (kLocal && n < mask_below));
+      if (need_mask) {
         // pmevent (a performance-monitor trigger, no effect on the results) keeps this a branch: without it
         // ptxas if-converted the ~150-instruction mask into predicated code that every step issued (ncu,
         // hdim 64 causal: 793 warp instructions a step against the non-causal kernel's 634). An empty asm or
         // a warp vote did not stop it; ptxas does not predicate across this instruction.
         asm volatile("pmevent 0;");
-        apply_mask(tSrS_rc, tScS_rc, m_block * kBlockM, n * kBlockN, bm);
+        apply_mask(tSrS_rc, tScS_rc, m_block * kBlockM, n * kBlockN, kSparse ? step_block_mask(bm, partial) : bm);
       }
 
       if constexpr (kStages == 1) {
         cp_async_wait<0>();
         __syncthreads();  // V[n] visible to all; every warp is done with K[n]
-        if (n > n_min) {
-          copy_rows<kEven>(gmem_copy, tKgK(_, _, _, n - 1), tKsK, tKVcKV, seqlen_k - (n - 1) * kBlockN);
+        if (v > n_min) {
+          const int next = walk.block(p.block_sparse, v - 1);
+          copy_rows<kEven>(gmem_copy, tKgK(_, _, _, next), tKsK, tKVcKV, seqlen_k - next * kBlockN);
           cp_async_fence();
         }
       }

@@ -268,16 +268,11 @@ struct MainloopFwdSm90 {
       if (thread_idx % 128 == 0) pipeline.consumer_release(state);
     };
     const int row0 = m_block * kBlockM;
-    // v: a virtual block. A sparse walk's full blocks take only the key-length mask.
+    // v: a virtual block. A sparse walk's full blocks take only the key-length mask (step_block_mask).
     auto mask = [&](int v) {
       if constexpr (kSparse) {
         const int col0 = walk.block(params.block_sparse, v) * kBlockN;
-        if (walk.is_partial(v)) {
-          apply_mask(tSrS_rc, tScS_rc, row0, col0, bm);
-        } else {
-          using KeyEnd = BlockMask<kBlockM, kBlockN, false, false>;
-          apply_mask(tSrS_rc, tScS_rc, row0, col0, KeyEnd(bm.seqlen_q, bm.seqlen_k, 0, 0));
-        }
+        apply_mask(tSrS_rc, tScS_rc, row0, col0, step_block_mask(bm, walk.is_partial(v)));
       } else {
         apply_mask(tSrS_rc, tScS_rc, row0, v * kBlockN, bm);
       }
