@@ -122,7 +122,7 @@ def main() -> int:
         real = blocks.float().mean().item()  # the share actually computed (the diagonal included)
         fwd = impls(q, k, v, blocks)
         fwd_t = timed(fwd, args.rounds, args.warmup, args.rep, clocks)
-        bwd_t = {}
+        bwd_t, bwd_errors = {}, {}
         if not args.no_bwd:
             bwd = {}
             for name, f in impls(*_LEAVES, blocks).items():
@@ -131,8 +131,9 @@ def main() -> int:
                 except Exception as e:  # noqa: BLE001 - an anchor without a backward is reported, not fatal
                     bwd[name] = f"{type(e).__name__}: {str(e)[:200]}"
             bwd_t = timed(bwd, args.rounds, args.warmup, args.rep, clocks)
+            bwd_errors = {n: f for n, f in bwd.items() if not callable(f)}
             del bwd  # frees the recorded graphs
-        for direction, fns, t in (("fwd", fwd, fwd_t), ("bwd", None, bwd_t)):
+        for direction, fns, t in (("fwd", fwd, fwd_t), ("bwd", bwd_errors, bwd_t)):
             if not t:
                 continue
             dense = t["flash_attn4_dense"][0]
@@ -142,10 +143,10 @@ def main() -> int:
                 records.append({"impl": name, "density": real, f"{direction}_ms": ms,
                                 f"{direction}_ms_rounds": rounds, f"{direction}_vs_dense": dense / ms,
                                 **base})  # fmt: skip
-            for name, f in (fns or {}).items():
+            for name, f in fns.items():
                 if not callable(f):
                     line += f"  {name}: {f}"
-                    records.append(dict(impl=name, density=real, error=f, **base))
+                    records.append(dict(impl=name, density=real, error=f"{direction}: {f}", **base))
             print(line, flush=True)
     est = bench_ms(lambda: flash_attn4.estimate_block_mask(q, k, density=0.1), args.warmup, args.rep)
     dense = bench_ms(lambda: flash_attn4.attn(q, k, v), args.warmup, args.rep)

@@ -29,8 +29,14 @@ def _lists(blocks: Tensor) -> tuple[Tensor, Tensor]:
     m = blocks.shape[-1]
     cols = torch.arange(m, device=blocks.device, dtype=torch.int32).expand_as(blocks)
     key = torch.where(blocks, cols, cols + m)  # set columns sort first, in order
-    index = key.argsort(dim=-1, stable=True).to(torch.int32)
-    return count, index
+    index = key.argsort(dim=-1, stable=True)
+    # Fresh row-major tensors: the kernels read the lists row by row, and a transposed mask's argsort keeps
+    # its strides (.contiguous() would keep any stride of a size-1 last dim).
+    return _row_major(count), _row_major(index)
+
+
+def _row_major(t: Tensor) -> Tensor:
+    return torch.empty(t.shape, dtype=torch.int32, device=t.device).copy_(t)
 
 
 def _dense(count: Tensor, index: Tensor, m: int) -> Tensor:
