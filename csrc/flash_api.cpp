@@ -136,7 +136,7 @@ bool set_block_sparse(flash4::BlockSparseParams& b, const OptTensor& kv_count, c
   auto check = [&](const at::Tensor& t, const char* name, int dims, int64_t last) {
     TORCH_CHECK(t.is_cuda() && t.device() == q.device() && t.scalar_type() == at::kInt && t.dim() == dims &&
                     (t.size(0) == 1 || t.size(0) == o.batch) && (t.size(1) == 1 || t.size(1) == nheads_q) &&
-                    t.size(2) == rows && t.size(dims - 1) == last && t.stride(dims - 1) == 1,
+                    t.size(2) == rows && t.size(dims - 1) == last && (last == 1 || t.stride(dims - 1) == 1),
                 std::string("flash_attn4: block mask ") + name + " must be an int32 tensor on q's device of shape (" +
                     "1 or " + str(o.batch) + ", 1 or " + str(nheads_q) + ", " + str(rows) +
                     (dims == 4 ? ", " + str(len) : std::string()) + ") with a contiguous last dim, got " +

@@ -23,20 +23,18 @@ BLOCK = 128
 
 
 def _lists(blocks: Tensor) -> tuple[Tensor, Tensor]:
-    """bool (B, H, n, m) -> (count (B, H, n) int32, index (B, H, n, m) int32): each row's set columns in
-    increasing order, then its other columns (slots past count are never read)."""
-    count = blocks.sum(-1, dtype=torch.int32)
+    """bool (..., n, m) -> (count (..., n) int32, index (..., n, m) int32): each row's set columns in
+    increasing order in its first count slots (the other slots are never read). Fresh row-major tensors: the
+    kernels read the lists row by row, whatever the strides of `blocks` (a transpose, say). A cumsum and a
+    scatter, not a sort: few and cheap launches (estimate_block_mask builds one per call)."""
     m = blocks.shape[-1]
-    cols = torch.arange(m, device=blocks.device, dtype=torch.int32).expand_as(blocks)
-    key = torch.where(blocks, cols, cols + m)  # set columns sort first, in order
-    index = key.argsort(dim=-1, stable=True)
-    # Fresh row-major tensors: the kernels read the lists row by row, and a transposed mask's argsort keeps
-    # its strides (.contiguous() would keep any stride of a size-1 last dim).
-    return _row_major(count), _row_major(index)
-
-
-def _row_major(t: Tensor) -> Tensor:
-    return torch.empty(t.shape, dtype=torch.int32, device=t.device).copy_(t)
+    count = blocks.sum(-1, dtype=torch.int32)
+    # Set column j goes to slot (set columns before it); the others all land in slot m - 1, which is past
+    # count whenever one of them exists.
+    slot = torch.where(blocks, blocks.cumsum(-1) - 1, m - 1)
+    cols = torch.arange(m, device=blocks.device, dtype=torch.int32).expand(blocks.shape)
+    index = torch.zeros(blocks.shape, dtype=torch.int32, device=blocks.device).scatter_(-1, slot, cols)
+    return torch.empty(count.shape, dtype=torch.int32, device=count.device).copy_(count), index
 
 
 def _dense(count: Tensor, index: Tensor, m: int) -> Tensor:
@@ -126,10 +124,10 @@ class BlockMask:
 
     @classmethod
     def _build(cls, partial: Tensor, full: Tensor, seqlen_q: int, seqlen_k: int, block: int) -> BlockMask:
-        kv_count, kv_index = _lists(partial)
-        full_count, full_index = _lists(full)
-        q_count, q_index = _lists(partial.transpose(-1, -2))
-        full_q_count, full_q_index = _lists(full.transpose(-1, -2))
+        both = torch.stack(torch.broadcast_tensors(partial, full))  # one set of launches for both kinds
+        (kv_count, full_count), (kv_index, full_index) = (t.unbind(0) for t in _lists(both))
+        transposed = _lists(both.transpose(-1, -2))
+        (q_count, full_q_count), (q_index, full_q_index) = (t.unbind(0) for t in transposed)
         return cls(int(seqlen_q), int(seqlen_k), kv_count, kv_index, full_count, full_index, q_count, q_index,
                    full_q_count, full_q_index, block)  # fmt: skip
 

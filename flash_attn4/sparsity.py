@@ -12,6 +12,7 @@ docs/design.md ("Block sparsity") has measured errors of the output against dens
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -20,15 +21,22 @@ from torch import Tensor
 from flash_attn4.block_mask import BLOCK, BlockMask
 
 
-def _pool(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
-    """x (b, s, h, d) -> (block means (b, h, n, d) float32, rows per block (n,))."""
-    b, s, h, d = x.shape
+def _pooled_sums(x: Tensor, block: int) -> Tensor:
+    """x (b, s, h, d) -> per-block sums (b, n, h, d) float32, read once in x's dtype (no float copy of x)."""
+    s = x.shape[1]
+    whole = s // block
+    parts = []
+    if whole:
+        parts.append(x[:, : whole * block].unflatten(1, (whole, block)).sum(2, dtype=torch.float32))
+    if s % block:
+        parts.append(x[:, whole * block :].sum(1, keepdim=True, dtype=torch.float32))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+
+
+def _rows(s: int, block: int, device) -> Tensor:
+    """Tokens per block (n,) float32: block, and what is left in the last one."""
     n = math.ceil(s / block)
-    padded = torch.nn.functional.pad(x.float(), (0, 0, 0, 0, 0, n * block - s))
-    sums = padded.view(b, n, block, h, d).sum(dim=2)
-    rows = torch.full((n,), float(block), device=x.device)
-    rows[-1] = s - (n - 1) * block
-    return (sums / rows[None, :, None, None]).transpose(1, 2), rows
+    return torch.tensor([float(block)] * (n - 1) + [float(s - (n - 1) * block)], device=device)
 
 
 def block_visibility(sq: int, sk: int, block: int, causal: bool, window_size, device) -> tuple[Tensor, ...]:
@@ -53,6 +61,25 @@ def block_visibility(sq: int, sk: int, block: int, causal: bool, window_size, de
     return some, every
 
 
+@functools.lru_cache(maxsize=32)
+def _geometry(sq: int, sk: int, block: int, causal: bool, window_size, keep_first: int, keep_local: int,
+              density: float | None, device) -> tuple:  # fmt: skip
+    """What depends on the shapes and options alone, made once: (masked, hidden, every, forced, n_keep), all
+    (nq, nk) bool but n_keep ((nq, 1) float, density only): whether the mask touches any block, the blocks
+    it hides entirely / covers entirely, the blocks always kept (the first keep_first, keep_local at the
+    diagonal), and how many blocks each query block keeps under `density`."""
+    some, every = block_visibility(sq, sk, block, causal, window_size, device)
+    nq, nk = some.shape
+    cols = torch.arange(nk, device=device)
+    diag = (torch.clamp(torch.arange(nq, device=device) * block + block, max=sq) - 1 + sk - sq) // block
+    forced = (cols[None, :] < keep_first) | (
+        (cols[None, :] <= diag[:, None]) & (cols[None, :] > diag[:, None] - keep_local)
+    )
+    forced &= some
+    n_keep = None if density is None else (some.sum(-1, keepdim=True) * density).ceil().clamp(min=1)
+    return not bool(every.all()), ~some, every, forced, n_keep  # every <= some: all of every, nothing hidden
+
+
 def estimate_block_mask(
     q: Tensor, k: Tensor, *, threshold: float | None = None, density: float | None = None,
     block: int = BLOCK, keep_first: int = 1, keep_local: int = 1, causal: bool = False,
@@ -60,7 +87,10 @@ def estimate_block_mask(
 ) -> BlockMask:  # fmt: skip
     """A BlockMask for attn(q, k, v, causal=..., window_size=..., block_mask=...) from q (b, sq, hq, d) and
     k (b, sk, hk, d); exactly one of threshold (estimated mass to keep per query block, in (0, 1]) and
-    density (fraction of the visible key blocks to keep, in (0, 1]). Batch and heads are kept separate."""
+    density (fraction of the visible key blocks to keep, in (0, 1]). Batch and heads are kept separate.
+
+    About 30 tensor operations on small tensors after one pass over q and k; the geometry (which blocks the
+    mask hides or covers, which are always kept) is cached per shape and options."""
     if (threshold is None) == (density is None):
         raise ValueError("pass exactly one of threshold (mass to keep, e.g. 0.95) and density (e.g. 0.1)")
     for name, val in (("threshold", threshold), ("density", density)):
@@ -73,29 +103,45 @@ def estimate_block_mask(
     if hk < 1 or hq % hk:
         raise ValueError(f"nheads of q ({hq}) must be a multiple of nheads of k ({hk})")
     scale = 1 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    qp, _ = _pool(q.detach(), block)
-    kp, key_rows = _pool(k.detach(), block)
-    kp = kp.repeat_interleave(hq // hk, dim=1)
-    some, every = block_visibility(sq, sk, block, causal, window_size, q.device)
-    logits = torch.einsum("bhnd,bhmd->bhnm", qp, kp) * scale + key_rows.log()
-    logits = logits.masked_fill(~some, -math.inf)
-    mass = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # query blocks that see nothing: all 0
-    nq, nk = some.shape
-
-    order = mass.argsort(dim=-1, descending=True)
-    sorted_mass = mass.gather(-1, order)
-    if threshold is not None:
-        before = sorted_mass.cumsum(-1) - sorted_mass  # mass of the better blocks
-        keep_sorted = before < threshold - 1e-6
-    else:
-        n_keep = (some.sum(-1) * density).ceil().clamp(min=1)  # (nq,)
-        keep_sorted = (torch.arange(nk, device=q.device) < n_keep[:, None]).expand_as(order)
-    keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
-
-    cols = torch.arange(nk, device=q.device)
-    diag = (torch.clamp(torch.arange(nq, device=q.device) * block + block, max=sq) - 1 + sk - sq) // block
-    forced = (cols[None, :] < keep_first) | (
-        (cols[None, :] <= diag[:, None]) & (cols[None, :] > diag[:, None] - keep_local)
+    masked, hidden, every, forced, n_keep = _geometry(
+        sq, sk, block, causal, tuple(window_size), keep_first, keep_local, density, q.device
     )
-    keep = (keep | forced) & some
-    return BlockMask.from_dense(keep, sq, sk, full=keep & every, block_size=block)
+    nq, nk = hidden.shape
+
+    # Block means: sums over the block's tokens; equal blocks fold 1 / block into the scale.
+    qs, ks = _pooled_sums(q.detach(), block), _pooled_sums(k.detach(), block)
+    if sq % block:
+        qs = qs / _rows(sq, block, q.device)[:, None, None]
+    if sk % block:
+        ks = ks / _rows(sk, block, q.device)[:, None, None]
+    scale = scale / ((block if sq % block == 0 else 1) * (block if sk % block == 0 else 1))
+    # Query heads of one KV head against its pooled keys, without repeating them: (b, hk, g, nq, nk).
+    logits = torch.einsum("bnkgd,bmkd->bkgnm", qs.unflatten(2, (hk, hq // hk)), ks).reshape(b, hq, nq, nk)
+    logits = (
+        logits.mul_(scale) if sk % block == 0 else logits.mul_(scale).add_(_rows(sk, block, q.device).log())
+    )
+    if masked:
+        logits.masked_fill_(hidden, -math.inf)
+    mass = torch.softmax(logits, dim=-1)
+    if masked:
+        mass.nan_to_num_(0.0)  # query blocks that see nothing: all 0
+
+    if threshold is not None:
+        sorted_mass, order = mass.sort(dim=-1, descending=True)
+        keep_sorted = sorted_mass.cumsum(-1).sub_(sorted_mass) < threshold - 1e-6  # the better blocks' mass
+        keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+    elif not masked:
+        top = mass.topk(max(1, math.ceil(nk * density)), dim=-1).indices  # every row sees all nk blocks
+        keep = torch.zeros(mass.shape, dtype=torch.bool, device=q.device).scatter_(-1, top, True)
+    else:
+        order = mass.argsort(dim=-1, descending=True)
+        keep_sorted = torch.arange(nk, device=q.device) < n_keep  # (nq, nk)
+        keep = torch.zeros(mass.shape, dtype=torch.bool, device=q.device).scatter_(
+            -1, order, keep_sorted.expand(mass.shape)
+        )
+    keep |= forced
+    if masked:
+        keep &= ~hidden
+    # Kept blocks the mask covers entirely need no element mask (without a mask: every block).
+    full = keep & every if masked else keep
+    return BlockMask._build(keep & ~full if masked else torch.zeros_like(keep), full, sq, sk, block)
