@@ -76,17 +76,13 @@ def impls(q, k, v, blocks):
     return out
 
 
-def backward_of(fwd):
+def backward_of(fwd, leaves):
     """A zero-argument call of the gradient alone, on a graph recorded once (retain_graph); fwd closes over
-    leaves that require grad."""
+    `leaves` (q, k, v requiring grad)."""
     out = fwd()
-    leaves = _LEAVES
     dout = torch.randn_like(out)
     torch.autograd.grad(out, leaves, dout, retain_graph=True)  # compiles / warms the backward once
     return lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
-
-
-_LEAVES: list = []  # the backward's q, k, v
 
 
 def timed(fns: dict, rounds: int, warmup: int, rep: int, clocks: list) -> dict:
@@ -113,7 +109,7 @@ def main() -> int:
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    _LEAVES[:] = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]  # the backward's q, k, v
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"))
     base = dict(hdim=D, seqlen=S, causal=False, batch=1, nheads=H, dtype="bf16")
     records, clocks = [], []
@@ -125,9 +121,9 @@ def main() -> int:
         bwd_t, bwd_errors = {}, {}
         if not args.no_bwd:
             bwd = {}
-            for name, f in impls(*_LEAVES, blocks).items():
+            for name, f in impls(*leaves, blocks).items():
                 try:
-                    bwd[name] = backward_of(f) if callable(f) else f
+                    bwd[name] = backward_of(f, leaves) if callable(f) else f
                 except Exception as e:  # noqa: BLE001 - an anchor without a backward is reported, not fatal
                     bwd[name] = f"{type(e).__name__}: {str(e)[:200]}"
             bwd_t = timed(bwd, args.rounds, args.warmup, args.rep, clocks)

@@ -135,8 +135,8 @@ def bwd_block_sparse(
     softcap: float,
     deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of fwd_block_sparse: the sm90 kernel where kernel_plan finds one (and not deterministic),
-    else the reference's, written out (block_sparse_bwd_ref)."""
+    """Gradients of fwd_block_sparse: the block-sparse kernel where kernel_plan finds one (and not
+    deterministic), else the reference's, written out (block_sparse_bwd_ref)."""
     plan, why = kernel_plan(q, k, v, BLOCK, causal, window_left, window_right)
     if plan is not None and not deterministic and lse.dtype == torch.float32:
         dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))

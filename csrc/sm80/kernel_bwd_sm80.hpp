@@ -275,8 +275,7 @@ struct BwdKernelSm80 {
 #pragma unroll 1
     for (int t = 0; t < steps; ++t) {
       const int s = t & 1;
-      // The next step's (head, query block). SparseList: found where its loads go out and again at the end of
-      // the step, so that no second cursor stays live through the step's GEMMs (it spilled).
+      // The band's next step (head, query block); SparseList reads it from the step slots instead.
       const bool last_of_head = m_block + 1 == m_max;
       const int next_bidh = last_of_head ? bidh + 1 : bidh, next_m_block = last_of_head ? m_min : m_block + 1;
       cp_async_wait<0>();
