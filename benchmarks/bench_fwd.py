@@ -6,6 +6,8 @@
                                                    # into <gpu>_{fwd,bwd}_quick.json/.png
     python3 benchmarks/bench_fwd.py --hdims 128 --seqlens 8192 --causal 1 --impls flash_attn4,sdpa_cudnn
     python3 benchmarks/bench_fwd.py --seqlens 8192 --impls flash_attn4,flash_attn4_sinks --out sinks.json
+    python3 benchmarks/bench_fwd.py --dtype fp8    # our e4m3 forward beside our bf16 one, FA4 and cuDNN
+                                                   # (bf16) and an e4m3 matmul, into <gpu>_fwd_fp8.json
 
 Shapes follow the FlashAttention papers: batch * seqlen = 16384 tokens, nheads * headdim = 2048, q/k/v of
 equal shape, random normal inputs. Forward FLOPs = 4 * b * h * s^2 * d, halved when causal; backward
@@ -33,12 +35,17 @@ import torch
 from plot import format_table, plot_records  # benchmarks/ is on sys.path when run as a script
 
 IMPLS = ["flash_attn4", "fa4_cute", "sdpa_cudnn", "sdpa_flash"]
+# --dtype fp8: flash_attn4_fp8 takes q, k, v quantized per head (flash_attn4.quantize_fp8, outside the timed
+# call); the others run bf16 on the same values; fp8_matmul is an 8192^3 e4m3 matmul (torch._scaled_mm, bf16
+# out), the fp8 tensor-core rate in the same run (its FLOPs are its own, 2 * 8192^3).
+FP8_IMPLS = ["flash_attn4_fp8", "flash_attn4", "fa4_cute", "sdpa_cudnn", "fp8_matmul"]
 OPTIONAL_IMPLS = ["flash_attn4_sinks"]  # only when asked for: what an option costs beside the plain kernels
 HDIMS = [64, 128, 256]
 SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
 TOKENS, WIDTH = 16384, 2048  # batch * seqlen, nheads * hdim
 RESULTS = Path(__file__).resolve().parent / "results"
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}  # fp8: see FP8_IMPLS
+MATMUL_N = 8192
 
 
 def _ints(text: str) -> list[int]:
@@ -52,7 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--causal", choices=["0", "1", "both"], default="both")
     ap.add_argument("--quick", action="store_true", help="hdim 64/128/256 x seqlen 4096/8192 x causal both")
     ap.add_argument(
-        "--impls", default=",".join(IMPLS), help=f"comma list from {','.join(IMPLS + OPTIONAL_IMPLS)}"
+        "--impls",
+        help=f"comma list from {','.join(IMPLS + OPTIONAL_IMPLS + ['flash_attn4_fp8', 'fp8_matmul'])} "
+        f"(default {','.join(IMPLS)}; with --dtype fp8, {','.join(FP8_IMPLS)})",
     )
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--bwd", action="store_true", help="time the backward instead of the forward")
@@ -67,10 +76,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.quick:
         args.hdims, args.seqlens, args.causal = HDIMS, [4096, 8192], "both"
-    args.impls = [i.strip() for i in args.impls.split(",") if i.strip()]
-    unknown = sorted(set(args.impls) - set(IMPLS) - set(OPTIONAL_IMPLS))
+    if args.dtype == "fp8" and args.bwd:
+        ap.error("the fp8 kernels are forward-only")
+    default = FP8_IMPLS if args.dtype == "fp8" else IMPLS
+    args.impls = [i.strip() for i in args.impls.split(",") if i.strip()] if args.impls else default
+    known = set(IMPLS) | set(OPTIONAL_IMPLS) | set(FP8_IMPLS)
+    unknown = sorted(set(args.impls) - known)
     if unknown:
-        ap.error(f"unknown impls {unknown}; choose from {IMPLS + OPTIONAL_IMPLS}")
+        ap.error(f"unknown impls {unknown}; choose from {sorted(known)}")
     return args
 
 
@@ -150,6 +163,24 @@ def make_impl(name: str, q, k, v, causal: bool, bwd: bool = False, deterministic
     """
     import contextlib
 
+    if name == "fp8_matmul":
+        a = torch.randn(MATMUL_N, MATMUL_N, device=q.device).to(torch.float8_e4m3fn)
+        b = torch.randn(MATMUL_N, MATMUL_N, device=q.device).to(torch.float8_e4m3fn).t()  # column-major
+        one = torch.ones((), device=q.device)
+        fn = lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # noqa: E731
+        return fn, contextlib.nullcontext
+    if name == "flash_attn4_fp8":
+        import flash_attn4
+        from flash_attn4 import _ops_fp8
+
+        (q, qd), (k, kd), (v, vd) = (flash_attn4.quantize_fp8(t) for t in (q, k, v))
+        why = _ops_fp8.kernel_reason(q, k, v, 0.0)
+        if why:
+            raise RuntimeError(f"fp8 kernel unavailable: {why}")
+        fwd = lambda q, k, v: flash_attn4.attn(  # noqa: E731
+            q, k, v, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd
+        )
+        return (lambda: fwd(q, k, v)), contextlib.nullcontext
     if name == "flash_attn4":
         from flash_attn4 import _build_info, attn
 
@@ -195,7 +226,7 @@ def available_impls(requested: list[str]) -> list[str]:
     keep = []
     for name in requested:
         why = ""
-        if name in ("flash_attn4", "flash_attn4_sinks"):
+        if name in ("flash_attn4", "flash_attn4_sinks", "flash_attn4_fp8"):
             from flash_attn4 import _build_info
 
             ext, why = _build_info.load_extension()
@@ -238,9 +269,11 @@ def run(args: argparse.Namespace) -> list[dict]:
         for impl in args.impls:
             rec = {"impl": impl, "hdim": hdim, "seqlen": seqlen, "causal": causal, "batch": batch}
             rec.update(nheads=nheads, **meta)
+            if args.dtype == "fp8":
+                rec["dtype"] = "fp8_e4m3" if impl in ("flash_attn4_fp8", "fp8_matmul") else "bf16"
             if impl == "flash_attn4" and args.deterministic:
                 rec["deterministic"] = True
-            if impl == "flash_attn4":
+            if impl in ("flash_attn4", "flash_attn4_fp8"):
                 rec["kernel_path"] = _kernel_path()
             try:
                 fns[impl] = make_impl(impl, q, k, v, causal, args.bwd, args.deterministic)
@@ -264,7 +297,8 @@ def run(args: argparse.Namespace) -> list[dict]:
             ts = times.get(impl, [])
             ms = statistics.median(ts) if ts and "error" not in rec else None
             rec[f"{direction}_ms"] = ms
-            rec[f"{direction}_tflops"] = flops / (ms * 1e-3) / 1e12 if ms else None
+            work = 2 * MATMUL_N**3 if impl == "fp8_matmul" else flops
+            rec[f"{direction}_tflops"] = work / (ms * 1e-3) / 1e12 if ms else None
             rec[f"{direction}_ms_rounds"] = ts
             rec["sm_clock_mhz"] = statistics.median(clocks) if clocks else None
             records.append(rec)
@@ -283,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     args.impls = available_impls(args.impls)
     records = run(args)
     direction = "bwd" if args.bwd else "fwd"
-    suffix = "_quick" if args.quick else ""
+    suffix = ("_fp8" if args.dtype == "fp8" else "") + ("_quick" if args.quick else "")
     out = args.out or RESULTS / f"{gpu_slug(torch.cuda.get_device_name())}_{direction}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(records, indent=1) + "\n")

@@ -22,17 +22,19 @@ inline std::string str(at::IntArrayRef xs) {
 }
 inline std::string str(int64_t x) { return std::to_string(x); }
 
-// TMA descriptors need 16-byte aligned base addresses and strides (8 elements of a 16-bit type) and a
-// contiguous innermost dimension. The Python side copies inputs that break this; these checks make a
-// direct call fail loudly instead of faulting.
+// TMA descriptors need 16-byte aligned base addresses and strides (8 elements of a 16-bit type, 16 of fp8) and
+// a contiguous innermost dimension. The Python side copies inputs that break this; these checks make a direct
+// call fail loudly instead of faulting.
 inline void check_tma_layout(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.stride(-1) == 1, std::string("flash_attn4: ") + name +
                                      " must have a contiguous last dimension (stride 1), got strides " +
                                      str(t.strides()));
+  const int64_t per16 = 16 / t.element_size();
   for (int d = 0; d < t.dim() - 1; ++d) {
-    TORCH_CHECK(t.stride(d) % 8 == 0, std::string("flash_attn4: every stride of ") + name +
-                                          " except the last must be a multiple of 8 elements (16 bytes) "
-                                          "for TMA; got " + str(t.strides()) + ". Call .contiguous() first.");
+    TORCH_CHECK(t.stride(d) % per16 == 0, std::string("flash_attn4: every stride of ") + name +
+                                              " except the last must be a multiple of " + str(per16) +
+                                              " elements (16 bytes) for TMA; got " + str(t.strides()) +
+                                              ". Call .contiguous() first.");
   }
   TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
               std::string("flash_attn4: ") + name +

@@ -381,6 +381,7 @@ std::vector<std::string> compiled_kernels() {
 
 namespace flash4::binding {
 void register_decode(pybind11::module_& m);  // decode_api.cpp
+void register_fp8(pybind11::module_& m);     // fp8_api.cpp
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -401,6 +402,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("kernel_arch") = 0, py::arg("block_q_count") = py::none(), py::arg("block_q_index") = py::none(),
         py::arg("block_full_q_count") = py::none(), py::arg("block_full_q_index") = py::none());
   flash4::binding::register_decode(m);
+  flash4::binding::register_fp8(m);
   m.def("compiled_kernels", &compiled_kernels, "Names of the kernel instantiations in this build");
   m.def("set_trace", &set_trace, "Per-CTA profiling buffer for builds with -DFLASH4_TRACE (None: off)",
         py::arg("buf") = py::none());

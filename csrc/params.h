@@ -17,7 +17,8 @@
 
 namespace flash4 {
 
-enum class DType : int { kFP16 = 0, kBF16 = 1 };
+// kE4M3: fp8 q, k, v (forward only, sm90; output bf16).
+enum class DType : int { kFP16 = 0, kBF16 = 1, kE4M3 = 2 };
 
 // What forward and backward share beyond the tensors: the score scale, packed-batch geometry, sliding
 // window, softcap. The mask kind itself (none, causal, window) is a template parameter of the kernel the
@@ -112,6 +113,13 @@ struct FwdParams : SeqMaskParams {
 
   // Read by the block-sparse instantiations only (SparseList).
   BlockSparseParams block_sparse;
+
+  // fp8 (kE4M3) only: q, k and v hold x / descale; the descales are contiguous fp32 (batch, nheads_kv). v is
+  // then V^T, (batch, nheads_kv, head_dim, seqlen_k rounded up to 32) with the keys contiguous and permuted
+  // within each 32 (csrc/fp8_vt.cu, csrc/sm90/fp8_sm90.hpp): v_row_stride steps head_dim there.
+  const float* q_descale = nullptr;
+  const float* k_descale = nullptr;
+  const float* v_descale = nullptr;
 
   DType dtype = DType::kBF16;
 };

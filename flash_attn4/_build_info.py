@@ -34,6 +34,8 @@ DTYPES: tuple[str, ...] = tuple(getattr(_cfg, "DTYPES", ()))
 HDIMS: tuple[int, ...] = tuple(sorted(int(h) for h in getattr(_cfg, "HDIMS", ())))
 # Head dims with a block-sparse forward (sm90; csrc/generate_kernels.py, SPARSE_HDIMS).
 BLOCK_SPARSE_HDIMS: tuple[int, ...] = tuple(sorted(int(h) for h in getattr(_cfg, "BLOCK_SPARSE_HDIMS", ())))
+# Head dims with an fp8 (e4m3) forward (sm90; csrc/generate_kernels.py, FP8_HDIMS).
+FP8_HDIMS: tuple[int, ...] = tuple(sorted(int(h) for h in getattr(_cfg, "FP8_HDIMS", ())))
 TORCH_VERSION: str = str(getattr(_cfg, "TORCH_VERSION", ""))
 CUDA_VERSION: str = str(getattr(_cfg, "CUDA_VERSION", ""))
 

@@ -30,11 +30,17 @@ def _check_4d(x: Tensor, name: str) -> None:
 
 
 def quantize_fp8(
-    x: Tensor, *, granularity: str = "head", block_size: int = 128, dtype: torch.dtype = torch.float8_e4m3fn
+    x: Tensor,
+    *,
+    granularity: str = "head",
+    block_size: int = 128,
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    nheads_kv: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """x (batch, seqlen, nheads, headdim) -> (x_fp8 like x, descale float32).
 
-    granularity: "head" -> descale (batch, nheads), the shape the kernels' q/k/v_descale take; "block" ->
+    granularity: "head" -> descale (batch, nheads), the shape the kernels' q/k/v_descale take (for q under
+    GQA pass nheads_kv: one scale per group of nheads / nheads_kv query heads, (batch, nheads_kv)); "block" ->
     (batch, nheads, ceil(seqlen / block_size)), one scale per head and block of block_size tokens; "tensor"
     -> a 0-dim descale. Each scale maps the largest magnitude in its group to the format's largest finite
     value; an all-zero group gets descale 1. x is not modified.
@@ -49,6 +55,13 @@ def quantize_fp8(
     fmax = torch.finfo(dtype).max
     xf = x.detach().float()
     b, s, h, d = xf.shape
+    if nheads_kv is not None:
+        if granularity != "head" or isinstance(nheads_kv, bool) or not isinstance(nheads_kv, int):
+            raise ValueError("nheads_kv (an int) goes with granularity='head'")
+        if nheads_kv < 1 or h % nheads_kv:
+            raise ValueError(f"nheads ({h}) must be a multiple of nheads_kv ({nheads_kv})")
+        x8, descale = quantize_fp8(x.reshape(b, s, nheads_kv, h // nheads_kv * d), dtype=dtype)
+        return x8.view(b, s, h, d), descale
     if granularity == "tensor":
         amax = xf.abs().amax()
         expand = amax
@@ -129,10 +142,10 @@ def _descale(name: str, t: Tensor | None, x: Tensor) -> Tensor:
 def attn_fp8(
     q: Tensor, k: Tensor, v: Tensor, q_descale, k_descale, v_descale, **options
 ) -> tuple[Tensor, Tensor]:
-    """`attn` of fp8 q, k, v (values x descale): forward only, output bfloat16, lse float32. Until the fp8
-    kernels exist this runs the PyTorch reference on the dequantized inputs (the math the kernels will be
-    measured against), with a warning on CUDA."""
-    from flash_attn4 import _ops, reference
+    """`attn` of fp8 q, k, v (values x descale): forward only, output bfloat16, lse float32. On Hopper the
+    e4m3 kernels run (head dims in _build_info.FP8_HDIMS, no softcap); elsewhere the PyTorch reference runs on
+    the dequantized inputs (the math the kernels are measured against), with a warning on CUDA."""
+    from flash_attn4 import _ops, _ops_fp8, reference
 
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_4d(t, name)
@@ -151,12 +164,21 @@ def attn_fp8(
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: shapes do not match")
     hk = k.shape[2]
     for name, t in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
-        if t is not None and (not isinstance(t, Tensor) or t.dim() != 2 or t.shape[1] != hk):
-            raise ValueError(f"{name} must be (batch, nheads_kv) = ({q.shape[0]}, {hk}), float32")
+        if t is not None and (
+            not isinstance(t, Tensor) or t.dim() != 2 or t.shape != (q.shape[0], hk) or t.device != q.device
+        ):
+            raise ValueError(
+                f"{name} must be (batch, nheads_kv) = ({q.shape[0]}, {hk}), float32, on {q.device}"
+            )
+    why = _ops_fp8.kernel_reason(q, k, v, options.get("softcap", 0.0))
+    if not why:
+        left, right = options.get("window_size", (-1, -1))
+        return torch.ops.flash_attn4.fwd_fp8(
+            q, k, v, q_descale, k_descale, v_descale, float(options["softmax_scale"]),
+            bool(options.get("causal", False)), int(left), int(right),
+        )  # fmt: skip
     if q.is_cuda:
-        _ops._warn_once(
-            "flash_attn4: no fp8 CUDA kernel yet; the PyTorch reference runs on the dequantized inputs"
-        )
+        _ops._warn_once(f"fp8 attention: {why}; the PyTorch reference runs on the dequantized inputs")
     qf = q.float() * _descale("q_descale", q_descale, q)
     kf = k.float() * _descale("k_descale", k_descale, k)
     vf = v.float() * _descale("v_descale", v_descale, v)

@@ -57,7 +57,9 @@ def compile_one(
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--dtype", default="bf16", choices=generate_kernels.DTYPES)
+    ap.add_argument(
+        "--dtype", default="bf16", choices=(*generate_kernels.DTYPES, "e4m3"), help="e4m3: fwd90 only"
+    )
     ap.add_argument("--hdim", type=int, default=128, choices=generate_kernels.HDIMS)
     ap.add_argument("--causal", action="store_true", help="same as --mask causal")
     ap.add_argument("--mask", choices=("none", "causal", "local"), default="none")

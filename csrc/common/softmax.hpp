@@ -34,7 +34,11 @@ __device__ __forceinline__ float allreduce_sum(float x) {
   return x;
 }
 
-template <int kRows, int kThreadsPerRow = 4>
+// kExpShift: probabilities come out as exp2(kExpShift) * p, in [0, 2^kExpShift] (the fp8 kernels: P in e4m3
+// keeps 3 mantissa bits from 2^-6 up, and 2^8 * p moves small probabilities out of its subnormals while
+// 256 stays below its 448 maximum). Row sums carry the same factor, so the normalized output does not change;
+// finalize takes it out of the LSE.
+template <int kRows, int kThreadsPerRow = 4, int kExpShift = 0>
 struct OnlineSoftmax {
   cute::array<float, kRows> row_max;  // running max of the raw (unscaled) scores, -inf if none seen
   cute::array<float, kRows> row_sum;  // this thread's partial sum of exp; reduced over the row at the end
@@ -59,13 +63,15 @@ struct OnlineSoftmax {
 
   // The exponent offset for a row max m: m * scale_log2, or 0 for a row that has seen only masked keys
   // (m = -inf), so that exp2(-inf - offset) = 0 rather than exp2(-inf + inf) = NaN.
-  __device__ __forceinline__ float max_offset(float m) const { return m == -INFINITY ? 0.f : m * scale_log2; }
+  __device__ __forceinline__ float max_offset(float m) const {
+    return m == -INFINITY ? 0.f : m * scale_log2 - float(kExpShift);
+  }
 
   // Moves row r's running max to m (offset m_scaled) and returns the factor for what was accumulated under
   // the old one (the row sum is rescaled here). An old max of -inf (nothing seen yet) gives 0: the
   // accumulator is zero anyway.
   __device__ __forceinline__ float move_max(int r, float m, float m_scaled) {
-    const float scale = exp2_approx(row_max[r] * scale_log2 - m_scaled);
+    const float scale = exp2_approx(row_max[r] * scale_log2 - float(kExpShift) - m_scaled);
     row_sum[r] *= scale;
     row_max[r] = m;
     return scale;
@@ -115,6 +121,7 @@ struct OnlineSoftmax {
   static constexpr float kLazyRescaleLog2 = 8.f;
   template <class TensorS>
   __device__ __forceinline__ bool update_lazy(TensorS& s, cute::array<float, kRows>& o_scale) {
+    static_assert(kExpShift == 0, "stale maxima and a shift would leave P's range");
     static_assert(decltype(cute::size<0>(s))::value == kRows);
     cute::array<float, kRows> m_new;
     bool grow = false;
@@ -143,17 +150,17 @@ struct OnlineSoftmax {
     }
   }
 
-  // Finishes the row sums; returns per row the factor that normalizes the output (0 for a row that saw
-  // no key, so its output is 0, not NaN) and writes the natural-log LSE (-inf for such rows).
-  __device__ __forceinline__ cute::array<float, kRows> finalize(float softmax_scale,
-                                                               cute::array<float, kRows>& lse) {
+  // Finishes the row sums; returns per row the factor that normalizes the output, times out_scale (0 for a
+  // row that saw no key, so its output is 0, not NaN) and writes the natural-log LSE (-inf for such rows).
+  __device__ __forceinline__ cute::array<float, kRows> finalize(float softmax_scale, cute::array<float, kRows>& lse,
+                                                               float out_scale = 1.f) {
     cute::array<float, kRows> inv;
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const float sum = allreduce_sum<kThreadsPerRow>(row_sum[r]);
       const bool empty = (sum == 0.f) || (sum != sum);
-      inv[r] = empty ? 0.f : 1.f / sum;
-      lse[r] = empty ? -INFINITY : row_max[r] * softmax_scale + logf(sum);
+      inv[r] = empty ? 0.f : out_scale / sum;
+      lse[r] = empty ? -INFINITY : row_max[r] * softmax_scale + logf(sum) - float(kExpShift * M_LN2);
     }
     return inv;
   }

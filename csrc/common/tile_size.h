@@ -29,6 +29,13 @@ constexpr FwdTileSm90 fwd_tile_sm90(int head_dim, bool causal) {
                            : FwdTileSm90{128, 64, 2};
 }
 
+// sm90 fp8 forward (e4m3 q, k, v; bf16 out): 128 x 128 tiles. Registers per consumer thread: S 64, P 16 (one
+// byte a value), O 64 and the two-level accumulation's block fragment 64 (MainloopFwdSm90). Shared memory:
+// Q 16 KB + O 32 KB (bf16, its own buffer) + kStages x (K + V^T) 32 KB.
+constexpr FwdTileSm90 fwd_tile_sm90_fp8(int head_dim, bool masked) {
+  return FwdTileSm90{128, masked && head_dim > 64 ? 96 : 128, head_dim <= 64 ? 4 : 3};
+}
+
 // sm80 forward (cp.async + mma.sync): kBlockM query rows over kWarps warps (16 rows per warp per slab),
 // kBlockN keys, two K and V buffers at hdim 64 / 128 (FwdTraitsSm80::kStages), one otherwise. Registers per
 // thread: O = kBlockM / (16 kWarps) * head_dim / 2 fp32, S = kBlockM / (16 kWarps) * kBlockN / 2, P half of S.

@@ -17,7 +17,9 @@
 namespace flash4 {
 
 template <DType kDType>
-using CutlassElement = std::conditional_t<kDType == DType::kBF16, cutlass::bfloat16_t, cutlass::half_t>;
+using CutlassElement =
+    std::conditional_t<kDType == DType::kE4M3, cutlass::float_e4m3_t,
+                       std::conditional_t<kDType == DType::kBF16, cutlass::bfloat16_t, cutlass::half_t>>;
 
 inline void check_cuda(cudaError_t err, const char* what) {
   if (err != cudaSuccess) {

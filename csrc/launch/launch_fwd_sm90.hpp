@@ -12,7 +12,7 @@
 namespace flash4 {
 
 template <DType kDType, int kHeadDim, bool kCausal, bool kLocal, class Iter = DenseBand>
-void run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
+void run_fwd_sm90_16bit(const FwdParams& p, cudaStream_t stream) {
   // Windows mask on both sides: they take the causal tiles (smaller kBlockN, fewer registers for masks).
   // Block-sparse kernels too: their kBlockN must divide the mask's 128-key blocks (causal tiles: 128 up to
   // head dim 128, 64 at 256).
@@ -49,6 +49,25 @@ void run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
     launch_sm90<FwdKernelSm90<Traits, kCausal, kLocal, true>>(p, stream, "forward kernel launch (softcap)");
   } else {
     launch_sm90<FwdKernelSm90<Traits, kCausal, kLocal, false>>(p, stream, "forward kernel launch");
+  }
+}
+
+// fp8 q, k and V^T (the binding's pre-pass), bf16 out; no softcap (the binding checks), dense masks.
+template <int kHeadDim, bool kCausal, bool kLocal>
+void run_fwd_sm90_fp8(const FwdParams& p, cudaStream_t stream) {
+  constexpr FwdTileSm90 tile = fwd_tile_sm90_fp8(kHeadDim, kCausal || kLocal);
+  using Traits =
+      FwdTraitsSm90<cutlass::float_e4m3_t, kHeadDim, tile.block_m, tile.block_n, tile.stages, cutlass::bfloat16_t>;
+  launch_sm90<FwdKernelSm90<Traits, kCausal, kLocal, false>>(p, stream, "fp8 forward kernel launch");
+}
+
+template <DType kDType, int kHeadDim, bool kCausal, bool kLocal, class Iter = DenseBand>
+void run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
+  if constexpr (kDType == DType::kE4M3) {
+    static_assert(!kIsSparse<Iter>, "no block-sparse fp8 kernel");
+    run_fwd_sm90_fp8<kHeadDim, kCausal, kLocal>(p, stream);
+  } else {
+    run_fwd_sm90_16bit<kDType, kHeadDim, kCausal, kLocal, Iter>(p, stream);
   }
 }
 

@@ -16,7 +16,7 @@ using namespace cute;
 
 template <class Traits>
 struct EpilogueFwdSm90 {
-  using Element = typename Traits::Element;
+  using Element = typename Traits::ElementOut;
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kHeadDim = Traits::kHeadDim;
   using TileO = Shape<Int<kBlockM>, Int<kHeadDim>>;
@@ -63,13 +63,14 @@ struct EpilogueFwdSm90 {
   CUTE_DEVICE void store(Params const& params, SharedStorage& smem, FragO const& tOrO, LSE const& lse,
                          int thread_idx, int m_block, int bidh, SeqInfo const& seq) const {
     typename Traits::TiledMmaPV tiled_mma_pv;
-    // Otherwise O reuses Q's buffer; each warpgroup overwrites only its own 64 rows of Q, which its own last
-    // Q K^T (already complete) was the final reader of.
+    // Otherwise O reuses Q's buffer (unless the traits give it its own: a wider output than input); each
+    // warpgroup overwrites only its own 64 rows of Q, which its own last Q K^T (already complete) was the final
+    // reader of.
     Element* o_buffer;
-    if constexpr (kAsync) {
+    if constexpr (kAsync || Traits::kOwnO) {
       o_buffer = smem.o.data();
     } else {
-      o_buffer = smem.q.data();
+      o_buffer = reinterpret_cast<Element*>(smem.q.data());
     }
     Tensor sO = make_tensor(make_smem_ptr(o_buffer), typename Traits::SmemLayoutO{});
 

@@ -136,13 +136,20 @@ struct FwdKernelSm90 {
       typename Traits::TiledMmaPV tiled_mma_pv;
       Tensor tOrO = partition_fragment_C(tiled_mma_pv, select<0, 1>(typename Traits::TileShapePV{}));
       constexpr int kRows = decltype(size<0, 1>(tOrO))::value * decltype(size<1>(tOrO))::value;
-      OnlineSoftmax<kRows> softmax(params.mainloop.scale_log2);
+      // fp8: the descales of this (batch, head) scale the raw scores (and the LSE) and the output.
+      const float descale = Mainloop::score_descale(params.mainloop, bidb, bidh);
+      typename Mainloop::template Softmax<kRows> softmax(params.mainloop.scale_log2 * descale);
       cute::array<float, kRows> lse;
       if (any_key) {
         typename Traits::PipelineState read;
-        mainloop.mma(params.mainloop, pipeline_k, pipeline_v, smem, tOrO, softmax, lse, params.lse_scale,
+        mainloop.mma(params.mainloop, pipeline_k, pipeline_v, smem, tOrO, softmax, lse, params.lse_scale * descale,
                      thread_idx, m_block, bm, n_block_min, n_block_max, read, /*q_phase=*/0, /*first_mma=*/true,
                      trace, [] {}, walk);
+        if constexpr (Traits::kFp8) {
+          const float v_descale = Mainloop::out_descale(params.mainloop, bidb, bidh);
+#pragma unroll
+          for (int i = 0; i < size(tOrO); ++i) tOrO(i) *= v_descale;
+        }
       } else {
         clear(tOrO);  // no key visible to any row of this tile: out = 0, lse = -inf
         softmax.finalize(params.lse_scale, lse);

@@ -10,28 +10,36 @@ namespace flash4 {
 
 using namespace cute;
 
-// Largest GMMA swizzle atom whose contiguous extent divides `extent` (elements, 16-bit types).
+// Largest GMMA swizzle atom whose contiguous extent (in bytes: 128, 64 or 32) divides `extent` elements.
 template <class Element, int kExtent, GMMA::Major kMajor>
 constexpr auto gmma_smem_atom() {
+  constexpr int kBytes = kExtent * int(sizeof(Element));
   if constexpr (kMajor == GMMA::Major::K) {
-    if constexpr (kExtent % 64 == 0) return GMMA::Layout_K_SW128_Atom<Element>{};
-    else if constexpr (kExtent % 32 == 0) return GMMA::Layout_K_SW64_Atom<Element>{};
+    if constexpr (kBytes % 128 == 0) return GMMA::Layout_K_SW128_Atom<Element>{};
+    else if constexpr (kBytes % 64 == 0) return GMMA::Layout_K_SW64_Atom<Element>{};
     else return GMMA::Layout_K_SW32_Atom<Element>{};
   } else {
-    if constexpr (kExtent % 64 == 0) return GMMA::Layout_MN_SW128_Atom<Element>{};
-    else if constexpr (kExtent % 32 == 0) return GMMA::Layout_MN_SW64_Atom<Element>{};
+    if constexpr (kBytes % 128 == 0) return GMMA::Layout_MN_SW128_Atom<Element>{};
+    else if constexpr (kBytes % 64 == 0) return GMMA::Layout_MN_SW64_Atom<Element>{};
     else return GMMA::Layout_MN_SW32_Atom<Element>{};
   }
 }
 
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
+// Element: q, k, v; ElementOut: o (fp8 inputs write bf16).
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, class ElementOut_ = Element_>
 struct FwdTraitsSm90 {
   using Element = Element_;
+  using ElementOut = ElementOut_;
+  // fp8 (e4m3): WGMMA takes 8-bit operands K-major only, so V arrives transposed (V^T, keys contiguous, from
+  // a pre-pass) and P V accumulates in two levels (MainloopFwdSm90).
+  static constexpr bool kFp8 = sizeof(Element) == 1;
+  // O gets its own buffer where it does not fit Q's (a wider output type).
+  static constexpr bool kOwnO = sizeof(ElementOut) != sizeof(Element);
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
-  static_assert(kBlockM % 64 == 0 && kHeadDim % 16 == 0 && kBlockN % 16 == 0);
+  static_assert(kBlockM % 64 == 0 && kHeadDim % 16 == 0 && kBlockN % (kFp8 ? 32 : 16) == 0);
 
   // One producer warpgroup (one thread of it issues every TMA) + one consumer warpgroup per 64 rows.
   static constexpr int kNumMmaWarpGroups = kBlockM / 64;
@@ -46,30 +54,37 @@ struct FwdTraitsSm90 {
   using TileShapePV = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;  // O = P V:   (M, N=D, K=N)
   using AtomLayoutMNK = Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>;
 
-  // S from shared Q and K (both K-major); O from P in registers and V^T in shared memory (MN-major:
-  // V rows are contiguous along head_dim, so V^T needs no transpose, only an MN-major descriptor).
+  // S from shared Q and K (both K-major); O from P in registers and V^T in shared memory (16-bit: MN-major,
+  // V rows are contiguous along head_dim, so V^T needs no transpose, only an MN-major descriptor; fp8:
+  // K-major, the pre-pass's V^T).
+  static constexpr GMMA::Major kMajorV = kFp8 ? GMMA::Major::K : GMMA::Major::MN;
   using TiledMmaQK = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
       AtomLayoutMNK{}));
   using TiledMmaPV = decltype(make_tiled_mma(
       GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockN>>, GMMA::Major::K,
-                           GMMA::Major::MN>(),
+                           kMajorV>(),
       AtomLayoutMNK{}));
 
   using SmemLayoutQ =
       decltype(tile_to_shape(gmma_smem_atom<Element, kHeadDim, GMMA::Major::K>(),
                              Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  // O aliases Q's buffer with the same layout: a consumer warpgroup writes O rows only over its own Q
-  // rows, after its own last Q K^T has completed, so the two warpgroups never race on these bytes.
-  using SmemLayoutO = SmemLayoutQ;
+  // O aliases Q's buffer (unless kOwnO): a consumer warpgroup writes O rows only over its own Q rows, after
+  // its own last Q K^T has completed, so the two warpgroups never race on these bytes.
+  using SmemLayoutO = decltype(tile_to_shape(gmma_smem_atom<ElementOut, kHeadDim, GMMA::Major::K>(),
+                                             Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   using SmemLayoutK = decltype(tile_to_shape(gmma_smem_atom<Element, kHeadDim, GMMA::Major::K>(),
                                              Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
   // Atoms ordered along N first (Step<_2, _1, _3>): for each 64-wide head-dim slab all kBlockN key rows
   // are contiguous, so one TMA box covers (64, kBlockN) instead of (64, 8): 2 copies per V tile at
   // hdim 128 instead of 32.
-  using SmemLayoutVt = decltype(tile_to_shape(gmma_smem_atom<Element, kHeadDim, GMMA::Major::MN>(),
-                                              Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
-                                              Step<_2, _1, _3>{}));
+  // fp8: K-major V^T tiles, (head_dim, kBlockN) with the keys contiguous.
+  using SmemLayoutVtMN = decltype(tile_to_shape(gmma_smem_atom<Element, kHeadDim, GMMA::Major::MN>(),
+                                                Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
+                                                Step<_2, _1, _3>{}));
+  using SmemLayoutVtK = decltype(tile_to_shape(gmma_smem_atom<Element, kBlockN, GMMA::Major::K>(),
+                                               Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}));
+  using SmemLayoutVt = std::conditional_t<kFp8, SmemLayoutVtK, SmemLayoutVtMN>;
 
   using PipelineK = cutlass::PipelineTmaAsync<kStages>;
   using PipelineV = cutlass::PipelineTmaAsync<kStages>;
@@ -78,7 +93,7 @@ struct FwdTraitsSm90 {
   static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kTmaBytesKV = kBlockN * kHeadDim * sizeof(Element);
 
-  struct SharedStorage {
+  struct SharedStorageShared {
     // 1024-byte alignment: the period of the 128-byte swizzle pattern, required by TMA and WGMMA.
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
@@ -87,6 +102,10 @@ struct FwdTraitsSm90 {
     typename PipelineK::SharedStorage pipeline_k;
     typename PipelineV::SharedStorage pipeline_v;
   };
+  struct SharedStorageOwnO : SharedStorageShared {
+    alignas(1024) cute::array_aligned<ElementOut, cosize_v<SmemLayoutO>> o;
+  };
+  using SharedStorage = std::conditional_t<kOwnO, SharedStorageOwnO, SharedStorageShared>;
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= 227 * 1024, "tile does not fit in shared memory");
 };

@@ -20,18 +20,31 @@
 #include "../common/softmax.hpp"
 #include "../common/trace.hpp"
 #include "../params.h"
+#include "fp8_sm90.hpp"
 #include "utils_sm90.hpp"
 
 namespace flash4 {
 
 using namespace cute;
 
+// fp8 (Traits::kFp8): P goes to e4m3 for the P V GEMM (pack_p_fp8, V^T from the pre-pass), and P V accumulates
+// in two levels: each key block's P V into a zeroed fp32 fragment, added into O (with the block's rescale)
+// once it retires. An fp8 WGMMA adds into its accumulator with fewer bits than fp32 (DeepSeek-V3 measured
+// about 14 on H800), so a 32k-key row accumulated in the MMA alone loses the small late terms; here the MMA
+// sums 4 k-steps at a time. Softmax: eager rescale (the O update happens every block anyway) with
+// probabilities shifted up by 2^8 (OnlineSoftmax's kExpShift).
+//
 // kSoftcap: a compile-time switch (the launcher picks the instantiation at run time) because a uniform
 // run-time branch in the loop cost the plain kernels 4-5% (H200, hdim 64-256).
 // Iter: the block iterator (common/block_sparse.hpp), DenseBand or SparseList.
 template <class Traits, bool kCausal, bool kLocal, bool kSoftcap, class Iter = DenseBand>
 struct MainloopFwdSm90 {
   using Element = typename Traits::Element;
+  static constexpr bool kFp8 = Traits::kFp8;
+  static_assert(!kFp8 || (Traits::kHeadDim <= 128 && !kSoftcap && !kIsSparse<Iter>),
+                "fp8: head dims up to 128, no softcap, dense");
+  template <int kRows>
+  using Softmax = OnlineSoftmax<kRows, 4, kFp8 ? 8 : 0>;
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kHeadDim = Traits::kHeadDim;
@@ -46,10 +59,11 @@ struct MainloopFwdSm90 {
   using Walk = std::conditional_t<kSparse, SparseWalk<kBlockN>, DenseWalk>;
 
   // Global tensors as (seqlen, head_dim, heads, batch); V is also viewed transposed as
-  // (head_dim, seqlen, heads, batch) so its TMA box lands in the MN-major layout the PV GEMM reads.
+  // (head_dim, seqlen, heads, batch) so its TMA box lands in the MN-major layout the PV GEMM reads (fp8: V^T
+  // itself, keys contiguous, from the pre-pass).
   using ShapeT = Shape<int32_t, int32_t, int32_t, int32_t>;
   using StrideT = Stride<int64_t, _1, int64_t, int64_t>;
-  using StrideVt = Stride<_1, int64_t, int64_t, int64_t>;
+  using StrideVt = std::conditional_t<kFp8, StrideT, Stride<_1, int64_t, int64_t, int64_t>>;
 
   template <class Stride, class SmemLayout, class Tile>
   using TmaLoad = decltype(make_tma_copy(SM90_TMA_LOAD{},
@@ -76,6 +90,10 @@ struct MainloopFwdSm90 {
     const int* seqused_q;
     const int* seqused_k;
     BlockSparseParams block_sparse;
+    const float* q_descale;  // fp8: (batch, nheads_kv) each
+    const float* k_descale;
+    const float* v_descale;
+    int nheads_kv;
   };
 
   static Params to_params(FwdParams const& p) {
@@ -89,8 +107,15 @@ struct MainloopFwdSm90 {
     ShapeT shape_vt = make_shape(p.head_dim, rows_k, p.nheads_kv, batch);
     Tensor mQ = make_tensor(ptr(p.q), shape_q, make_stride(p.q_row_stride, _1{}, p.q_head_stride, p.q_batch_stride));
     Tensor mK = make_tensor(ptr(p.k), shape_k, make_stride(p.k_row_stride, _1{}, p.k_head_stride, p.k_batch_stride));
-    Tensor mVt =
-        make_tensor(ptr(p.v), shape_vt, make_stride(_1{}, p.v_row_stride, p.v_head_stride, p.v_batch_stride));
+    Tensor mVt = [&] {
+      if constexpr (kFp8) {
+        // V^T's keys run to a multiple of 32 (the permutation's period): a key below seqlen_k may sit there.
+        shape_vt = make_shape(p.head_dim, (rows_k + 31) / 32 * 32, p.nheads_kv, batch);
+        return make_tensor(ptr(p.v), shape_vt, make_stride(p.v_row_stride, _1{}, p.v_head_stride, p.v_batch_stride));
+      } else {
+        return make_tensor(ptr(p.v), shape_vt, make_stride(_1{}, p.v_row_stride, p.v_head_stride, p.v_batch_stride));
+      }
+    }();
     return {make_tma_copy(SM90_TMA_LOAD{}, mQ, typename Traits::SmemLayoutQ{}, TileQ{}, _1{}),
             make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(typename Traits::SmemLayoutK{}), TileK{}, _1{}),
             make_tma_copy(SM90_TMA_LOAD{}, mVt, take<0, 2>(typename Traits::SmemLayoutVt{}), TileVt{}, _1{}),
@@ -108,7 +133,29 @@ struct MainloopFwdSm90 {
             p.cu_seqlens_k,
             p.seqused_q,
             p.seqused_k,
-            p.block_sparse};
+            p.block_sparse,
+            p.q_descale,
+            p.k_descale,
+            p.v_descale,
+            p.nheads_kv};
+  }
+
+  // fp8: what the raw scores and the output are multiplied by (q_descale * k_descale, v_descale) for the
+  // (batch, head) of a tile; 1 otherwise.
+  CUTE_DEVICE static float score_descale(Params const& params, int bidb, int bidh) {
+    if constexpr (kFp8) {
+      const int i = bidb * params.nheads_kv + bidh / params.head_ratio;
+      return params.q_descale[i] * params.k_descale[i];
+    } else {
+      return 1.f;
+    }
+  }
+  CUTE_DEVICE static float out_descale(Params const& params, int bidb, int bidh) {
+    if constexpr (kFp8) {
+      return params.v_descale[bidb * params.nheads_kv + bidh / params.head_ratio];
+    } else {
+      return 1.f;
+    }
   }
 
   CUTE_DEVICE static SeqInfo seq_info(Params const& params, int bidb) {
@@ -254,9 +301,43 @@ struct MainloopFwdSm90 {
     Tensor tSrS = partition_fragment_C(tiled_mma_qk, select<0, 1>(typename Traits::TileShapeQK{}));
     Tensor tSrS_rc = make_tensor(tSrS.data(), acc_rowcol_layout(tSrS.layout()));
     Tensor tOrO_rc = make_tensor(tOrO.data(), acc_rowcol_layout(tOrO.layout()));
-    // P in 16-bit, written in S's register order and read as the RS GEMM's A operand.
+    // P in 16-bit, written in S's register order and read as the RS GEMM's A operand; fp8: the GEMM's own A
+    // fragment, filled by pack_p_fp8.
     Tensor tOrP_acc = make_tensor<Element>(tSrS.layout());
-    Tensor tOrP = make_tensor(tOrP_acc.data(), acc_as_a_operand_layout(tSrS.layout()));
+    Tensor tOrP = [&] {
+      if constexpr (kFp8) {
+        return thr_mma_pv.partition_fragment_A(
+            make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), Shape<Int<kBlockM>, Int<kBlockN>>{}));
+      } else {
+        return make_tensor(tOrP_acc.data(), acc_as_a_operand_layout(tSrS.layout()));
+      }
+    }();
+    auto convert_p = [&] {
+      if constexpr (kFp8) {
+        pack_p_fp8(tSrS, tOrP);
+      } else {
+        convert_fragment(tSrS, tOrP_acc);
+      }
+    };
+    // fp8: one key block's P V (the lower level of the two-level accumulation).
+    Tensor tOrOp = partition_fragment_C(tiled_mma_pv, select<0, 1>(typename Traits::TileShapePV{}));
+    Tensor tOrOp_rc = make_tensor(tOrOp.data(), acc_rowcol_layout(tOrOp.layout()));
+    // O += P V of the block whose P is in tOrP, from V stage `stage`: straight into O, or (fp8) into tOrOp.
+    auto gemm_pv = [&](int stage) {
+      if constexpr (kFp8) {
+        warpgroup_gemm</*zero_init=*/true, -1>(tiled_mma_pv, tOrP, tOrV(_, _, _, stage), tOrOp);
+      } else {
+        warpgroup_gemm<false, -1>(tiled_mma_pv, tOrP, tOrV(_, _, _, stage), tOrO);
+      }
+    };
+    // fp8, once that GEMM retired: O = (O + tOrOp) * scale, row by row.
+    auto add_block = [&](auto const& scale) {
+#pragma unroll
+      for (int r = 0; r < size<0>(tOrO_rc); ++r) {
+#pragma unroll
+        for (int c = 0; c < size<1>(tOrO_rc); ++c) tOrO_rc(r, c) = (tOrO_rc(r, c) + tOrOp_rc(r, c)) * scale[r];
+      }
+    };
     // (row, col) of each score inside the tile, for masking.
     Tensor tScS = thr_mma_qk.partition_C(make_identity_tensor(select<0, 1>(typename Traits::TileShapeQK{})));
     Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol_layout(tScS.layout()));
@@ -310,7 +391,7 @@ struct MainloopFwdSm90 {
     softcap();
     mask(n_block);
     o_scale = softmax.template update</*first=*/true>(tSrS_rc);
-    convert_fragment(tSrS, tOrP_acc);
+    convert_p();
     if (thread_idx == 0) trace.stamp(TraceSlot::kFirstStep);
     if (thread_idx == 128) trace.stamp(TraceSlot::kWg1FirstStep);
 
@@ -322,23 +403,26 @@ struct MainloopFwdSm90 {
       warpgroup_gemm<true, -1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
       if constexpr (kRescaleBeforeGemm) softmax.rescale(tOrO_rc, o_scale);
       pipeline_v.consumer_wait(read_v);
-      warpgroup_gemm<false, -1>(tiled_mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
+      gemm_pv(read_v.index());
       named_barrier_arrive(2 * 128, int(FwdBarrier::kWarpGroup0) + (1 - warp_group));
       warpgroup_wait<1>();  // batches retire in order: S is ready, P V may still run
       warpgroup_fence_operand(tSrS);
       release(pipeline_k, read);
       softcap();
       if constexpr (decltype(masked)::value) mask(n);
-      if constexpr (kRescaleBeforeGemm) {
+      if constexpr (kRescaleBeforeGemm || kFp8) {
         o_scale = softmax.template update</*first=*/false>(tSrS_rc);
       } else {
         rescale_o = softmax.update_lazy(tSrS_rc, o_scale);
       }
       warpgroup_wait<0>();  // P V done: tOrP may be overwritten, V's stage released
       warpgroup_fence_operand(tOrO);
+      if constexpr (kFp8) warpgroup_fence_operand(tOrOp);
       release(pipeline_v, read_v);
-      convert_fragment(tSrS, tOrP_acc);
-      if constexpr (!kRescaleBeforeGemm) {
+      convert_p();
+      if constexpr (kFp8) {
+        add_block(o_scale);
+      } else if constexpr (!kRescaleBeforeGemm) {
         if (rescale_o) {
           asm volatile("pmevent 0;");
           softmax.rescale(tOrO_rc, o_scale);
@@ -389,13 +473,18 @@ struct MainloopFwdSm90 {
     q_done();
     if constexpr (kRescaleBeforeGemm) softmax.rescale(tOrO_rc, o_scale);
     pipeline_v.consumer_wait(read);
-    warpgroup_gemm<false, -1>(tiled_mma_pv, tOrP, tOrV(_, _, _, read.index()), tOrO);
+    gemm_pv(read.index());
     const auto inv_sum = softmax.finalize(lse_scale, lse);
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
+    if constexpr (kFp8) warpgroup_fence_operand(tOrOp);
     release(pipeline_v, read);
     ++read;
-    softmax.rescale(tOrO_rc, inv_sum);
+    if constexpr (kFp8) {
+      add_block(inv_sum);
+    } else {
+      softmax.rescale(tOrO_rc, inv_sum);
+    }
   }
 };
 
