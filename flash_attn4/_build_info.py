@@ -2,7 +2,7 @@
 
 `setup.py` writes `flash_attn4/_build_config.py` (git-ignored) next to this file. It defines exactly
 `BUILT`, `REASON`, `ARCHS` (kernel families), `TARGETS` (the GPUs compiled for), `DTYPES`, `HDIMS`,
-`TORCH_VERSION` and `CUDA_VERSION`. When the file is
+`BLOCK_SPARSE_HDIMS`, `FP8_HDIMS`, `TORCH_VERSION` and `CUDA_VERSION`. When the file is
 missing (a source checkout that was never built, or an install without CUDA) every query answers
 "not built" and the Python package runs on the PyTorch reference alone.
 """

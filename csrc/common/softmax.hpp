@@ -34,10 +34,10 @@ __device__ __forceinline__ float allreduce_sum(float x) {
   return x;
 }
 
-// kExpShift: probabilities come out as exp2(kExpShift) * p, in [0, 2^kExpShift] (the fp8 kernels: P in e4m3
-// keeps 3 mantissa bits from 2^-6 up, and 2^8 * p moves small probabilities out of its subnormals while
-// 256 stays below its 448 maximum). Row sums carry the same factor, so the normalized output does not change;
-// finalize takes it out of the LSE.
+// kExpShift: probabilities come out as exp2(kExpShift) * p (the fp8 kernels: P in e4m3 keeps 3 mantissa bits
+// from 2^-6 up, and 2^7 * p moves small probabilities out of its subnormals while staying, with the lazy
+// rescale's headroom below, under its 448 maximum). Row sums carry the same factor, so the normalized output
+// does not change; finalize takes it out of the LSE.
 template <int kRows, int kThreadsPerRow = 4, int kExpShift = 0>
 struct OnlineSoftmax {
   cute::array<float, kRows> row_max;  // running max of the raw (unscaled) scores, -inf if none seen
@@ -118,10 +118,11 @@ struct OnlineSoftmax {
   // LSE use the same stale maxima, so the result is the same softmax. Returns true (o_scale filled, maxima
   // moved) when some row of the warp grew by more, or first saw a key; the decision is warp-uniform so the
   // caller's rescale is a branch the whole warp takes or skips.
-  static constexpr float kLazyRescaleLog2 = 8.f;
+  // With a shift the headroom is what e4m3 has left above 2^kExpShift: 2^(7 + 1.75) = 430 <= 448.
+  static constexpr float kLazyRescaleLog2 = kExpShift == 0 ? 8.f : 1.75f;
+  static_assert(kExpShift == 0 || kExpShift + kLazyRescaleLog2 <= 8.8f, "P would leave e4m3's range");
   template <class TensorS>
   __device__ __forceinline__ bool update_lazy(TensorS& s, cute::array<float, kRows>& o_scale) {
-    static_assert(kExpShift == 0, "stale maxima and a shift would leave P's range");
     static_assert(decltype(cute::size<0>(s))::value == kRows);
     cute::array<float, kRows> m_new;
     bool grow = false;
