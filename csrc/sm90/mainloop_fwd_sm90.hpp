@@ -28,11 +28,11 @@ namespace flash4 {
 using namespace cute;
 
 // fp8 (Traits::kFp8): P goes to e4m3 for the P V GEMM (pack_p_fp8, V^T from the pre-pass), and P V accumulates
-// in two levels: each key block's P V into a zeroed fp32 fragment, added into O (with the block's rescale)
-// once it retires. An fp8 WGMMA adds into its accumulator with fewer bits than fp32 (DeepSeek-V3 measured
-// about 14 on H800), so a 32k-key row accumulated in the MMA alone loses the small late terms; here the MMA
-// sums 4 k-steps at a time. Softmax: the lazy rescale, with probabilities shifted up by 2^7 (OnlineSoftmax's
-// kExpShift) and 1.75 (log2) of headroom, so P stays below e4m3's 448.
+// in two levels: each key block's P V into a zeroed fp32 fragment, added into O once it retires. An fp8 WGMMA
+// adds into its accumulator with fewer bits than fp32 (DeepSeek-V3 measured about 14 on H800); here the MMA
+// sums 4 k-steps at a time and fp32 adds the blocks (at 32k keys: the same speed, a slightly lower error on
+// the longest rows; docs/design.md, "FP8 forward"). Softmax: the lazy rescale, with probabilities shifted up
+// by 2^7 (OnlineSoftmax's kExpShift) and 1.75 (log2) of headroom, so P stays below e4m3's 448.
 //
 // kSoftcap: a compile-time switch (the launcher picks the instantiation at run time) because a uniform
 // run-time branch in the loop cost the plain kernels 4-5% (H200, hdim 64-256).
@@ -321,7 +321,6 @@ struct MainloopFwdSm90 {
     };
     // fp8: one key block's P V (the lower level of the two-level accumulation).
     Tensor tOrOp = partition_fragment_C(tiled_mma_pv, select<0, 1>(typename Traits::TileShapePV{}));
-    Tensor tOrOp_rc = make_tensor(tOrOp.data(), acc_rowcol_layout(tOrOp.layout()));
     // O += P V of the block whose P is in tOrP, from V stage `stage`: straight into O, or (fp8) into tOrOp.
     auto gemm_pv = [&](int stage) {
       if constexpr (kFp8) {
