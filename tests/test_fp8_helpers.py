@@ -74,3 +74,19 @@ def test_rotation_shrinks_the_error_of_outlier_channels():
     q, k = _x(seed=3, outliers=True), _x(seed=4, outliers=True)
     plain, rotated = _score_error(q, k, False), _score_error(q, k, True)
     assert rotated < 0.5 * plain, (plain, rotated)
+
+
+def test_quantize_q_per_kv_head_group():
+    """GQA: q's descale is per (batch, kv head), the shape the kernels read; each group of query heads shares
+    the scale of its largest value."""
+    x = _x(h=6, outliers=True)
+    x8, descale = flash_attn4.quantize_fp8(x, nheads_kv=2)
+    assert x8.shape == x.shape and tuple(descale.shape) == (2, 2)
+    want = x.abs().reshape(2, 300, 2, 3 * 64).amax(dim=(1, 3)) / torch.finfo(torch.float8_e4m3fn).max
+    torch.testing.assert_close(descale, want)
+    back = fp8.dequantize_fp8(x8, descale.repeat_interleave(3, dim=1))
+    assert ((back - x).abs() <= x.abs() / 16 + descale.max() * 2**-9).all()
+    with pytest.raises(ValueError, match="multiple of nheads_kv"):
+        flash_attn4.quantize_fp8(x, nheads_kv=4)
+    with pytest.raises(ValueError, match="granularity='head'"):
+        flash_attn4.quantize_fp8(x, granularity="block", nheads_kv=2)

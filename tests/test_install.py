@@ -218,3 +218,25 @@ def test_gencodes_and_families():
     assert build_flags.gencodes([90]) == ["-gencode=arch=compute_90a,code=sm_90a"]
     assert generate_kernels.families([86, 120]) == (80,) and generate_kernels.families([80, 90]) == (80, 90)
     assert {k.arch for k in generate_kernels.kernels(archs=[89], hdims=[64], dtypes=["bf16"])} == {80}
+
+
+def test_fp8_kernels_are_sm90_forwards_beside_bf16(tmp_path):
+    """e4m3 instantiations: sm90 forwards of FP8_HDIMS, every mask, only where bf16 and the sm90 family are
+    built; no decode or backward kernel of theirs (the decode family has no fp8 variant)."""
+    sys.path.insert(0, str(ROOT / "csrc"))
+    try:
+        import generate_kernels
+    finally:
+        sys.path.remove(str(ROOT / "csrc"))
+    ks = generate_kernels.kernels(archs=[90, 80], dtypes=["bf16"], hdims=[64, 128, 256])
+    fp8 = [k for k in ks if k.dtype == "e4m3"]
+    assert {(k.direction, k.arch, k.sparse) for k in fp8} == {("fwd", 90, False)}
+    assert {k.hdim for k in fp8} == set(generate_kernels.FP8_HDIMS) and len(fp8) == 3 * len(
+        generate_kernels.FP8_HDIMS
+    )
+    assert generate_kernels.fp8_hdims(ks) == generate_kernels.FP8_HDIMS
+    assert not [k for k in generate_kernels.kernels(archs=[90], dtypes=["fp16"]) if k.dtype == "e4m3"]
+    assert not [k for k in generate_kernels.kernels(archs=[86], dtypes=["bf16"]) if k.dtype == "e4m3"]
+    sources = generate_kernels.generate(tmp_path, ks)
+    assert not [p for p in sources if p.name.startswith("decode_e4m3")]
+    assert "DType::kE4M3" in (tmp_path / "kernel_table.cpp").read_text()
