@@ -37,6 +37,10 @@ def report_environment() -> None:
             f"dtypes {_build_info.DTYPES}, "
             f"head dims {_build_info.HDIMS}, against torch {_build_info.TORCH_VERSION}"
         )
+        print(
+            f"block-sparse head dims {_build_info.BLOCK_SPARSE_HDIMS}, "
+            f"fp8 (e4m3 forward) head dims {_build_info.FP8_HDIMS}"
+        )
     else:
         print(f"no CUDA kernels: {_build_info.REASON}")
         print(build_instructions())
