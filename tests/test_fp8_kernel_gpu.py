@@ -18,7 +18,10 @@ def _fp8_kernels() -> tuple[int, ...]:
     return _build_info.FP8_HDIMS if _build_info.kernel_arch(torch.device("cuda"))[0] == 90 else ()
 
 
-pytestmark = pytest.mark.skipif(not _fp8_kernels(), reason="needs an sm90 GPU and a build with fp8 kernels")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not _fp8_kernels(), reason="needs an sm90 GPU and a build with fp8 kernels"),
+]
 HDIMS = _fp8_kernels() or (128,)
 
 
