@@ -4,6 +4,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -39,6 +40,12 @@ inline void check_tma_layout(const at::Tensor& t, const char* name) {
   TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
               std::string("flash_attn4: ") + name +
                   " must start at a 16-byte aligned address (got a view with an odd offset); call .contiguous().");
+}
+
+// A window side as the kernels take it: -1 (unbounded) becomes `unbounded`, a value past every length, so no
+// kernel branches on "unbounded"; larger sides are cut there too.
+inline int window_side(int64_t side, int unbounded) {
+  return side < 0 ? unbounded : int(std::min<int64_t>(side, unbounded));
 }
 
 inline int device_arch(const at::Tensor& t) {

@@ -143,8 +143,8 @@ int64_t decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
   TORCH_CHECK(!(causal && (window_left >= 0 || window_right >= 0)) || window_right == 0,
               "flash_attn4: causal means window right = 0");
   const int unbounded = p.capacity + int(seqlen_q) + 1;
-  p.window_left = window_left < 0 ? unbounded : int(std::min<int64_t>(window_left, unbounded));
-  p.window_right = causal ? 0 : window_right < 0 ? unbounded : int(std::min<int64_t>(window_right, unbounded));
+  p.window_left = window_side(window_left, unbounded);
+  p.window_right = causal ? 0 : window_side(window_right, unbounded);
   p.num_sms = num_sms(q);
 
   const flash4::DecodeKernelEntry* entry = flash4::find_decode_kernel(p.dtype, int(d), paged);

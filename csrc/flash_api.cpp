@@ -77,8 +77,8 @@ Options make_options(const at::Tensor& q, const at::Tensor& k, bool causal, int6
   o.causal = causal;
   o.local = window;
   if (window) {
-    o.window_left = window_left < 0 ? unbounded : int(std::min<int64_t>(window_left, unbounded));
-    o.window_right = window_right < 0 ? unbounded : int(std::min<int64_t>(window_right, unbounded));
+    o.window_left = window_side(window_left, unbounded);
+    o.window_right = window_side(window_right, unbounded);
   }
   return o;
 }

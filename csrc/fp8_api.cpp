@@ -82,8 +82,8 @@ void fwd_fp8(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
   flash4::FwdParams p;
   const int unbounded = int(seqlen_q + seqlen_k + 1);
   if (local) {
-    p.window_left = window_left < 0 ? unbounded : int(std::min<int64_t>(window_left, unbounded));
-    p.window_right = window_right < 0 ? unbounded : int(std::min<int64_t>(window_right, unbounded));
+    p.window_left = window_side(window_left, unbounded);
+    p.window_right = window_side(window_right, unbounded);
   }
   p.batch = int(batch), p.seqlen_q = int(seqlen_q), p.seqlen_k = int(seqlen_k);
   p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = vt.data_ptr(), p.o = out.data_ptr();

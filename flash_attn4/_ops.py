@@ -86,10 +86,18 @@ def _kernel_plan(
     arch, why = _build_info.kernel_available(q.device, q.dtype, q.shape[-1])
     if arch is None:
         return None, why
+    return _Plan(arch, *_mask_kind(seqlen_q, seqlen_k, causal, window_left, window_right)), ""
+
+
+def _mask_kind(
+    seqlen_q: int, seqlen_k: int, causal: bool, window_left: int, window_right: int
+) -> tuple[bool, int, int]:
+    """(causal, left, right) as the kernels take them: the causal kernel alone, or a window (-1 = unbounded
+    side), never both; (False, -1, -1) when nothing is masked."""
     left, right = _effective_mask(seqlen_q, seqlen_k, causal, window_left, window_right)
     if left == -1 and right in (-1, 0):
-        return _Plan(arch, right == 0), ""
-    return _Plan(arch, False, left, right), ""
+        return right == 0, -1, -1
+    return False, left, right
 
 
 def _tma_ready(t: Tensor) -> Tensor:

@@ -66,10 +66,7 @@ def fwd_fp8(
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    left, right = _ops._effective_mask(sq, sk, causal, window_left, window_right)
-    causal_kernel = left == -1 and right == 0
-    if causal_kernel or (left == -1 and right == -1):
-        left = right = -1
+    causal_kernel, left, right = _ops._mask_kind(sq, sk, causal, window_left, window_right)
     ext.fwd_fp8(
         q.contiguous(), k.contiguous(), v.contiguous(), out, lse,
         *(_descale_or_ones(t, b, hk, q.device) for t in (q_descale, k_descale, v_descale)),

@@ -151,16 +151,16 @@ struct OnlineSoftmax {
     }
   }
 
-  // Finishes the row sums; returns per row the factor that normalizes the output, times out_scale (0 for a
-  // row that saw no key, so its output is 0, not NaN) and writes the natural-log LSE (-inf for such rows).
-  __device__ __forceinline__ cute::array<float, kRows> finalize(float softmax_scale, cute::array<float, kRows>& lse,
-                                                               float out_scale = 1.f) {
+  // Finishes the row sums; returns per row the factor that normalizes the output (0 for a row that saw
+  // no key, so its output is 0, not NaN) and writes the natural-log LSE (-inf for such rows).
+  __device__ __forceinline__ cute::array<float, kRows> finalize(float softmax_scale,
+                                                               cute::array<float, kRows>& lse) {
     cute::array<float, kRows> inv;
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const float sum = allreduce_sum<kThreadsPerRow>(row_sum[r]);
       const bool empty = (sum == 0.f) || (sum != sum);
-      inv[r] = empty ? 0.f : out_scale / sum;
+      inv[r] = empty ? 0.f : 1.f / sum;
       lse[r] = empty ? -INFINITY : row_max[r] * softmax_scale + logf(sum) - float(kExpShift * M_LN2);
     }
     return inv;
