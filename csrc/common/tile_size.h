@@ -32,9 +32,11 @@ constexpr FwdTileSm90 fwd_tile_sm90(int head_dim, bool causal) {
 // sm90 fp8 forward (e4m3 q, k, v; bf16 out): 128 x 128 tiles. Registers per consumer thread: S 64, P 16 (one
 // byte a value), O 64 and the two-level accumulation's block fragment 64 (MainloopFwdSm90). Shared memory:
 // Q 16 KB + O 32 KB (bf16, its own buffer) + kStages x (K + V^T) 32 KB. Masked tiles at head dim 128 take
-// kBlockN = 96: the masked step spilled 24 B at 128.
+// kBlockN = 96: the masked step spilled 24 B at 128. Head dim 256: 128 x 64 (O 128 + S 32 + P 8 registers, P V
+// straight into O), Q 32 KB + O 64 KB + 3 x (K + V^T) 32 KB.
 constexpr FwdTileSm90 fwd_tile_sm90_fp8(int head_dim, bool masked) {
-  return FwdTileSm90{128, masked && head_dim > 64 ? 96 : 128, head_dim <= 64 ? 4 : 3};
+  return head_dim > 128 ? FwdTileSm90{128, 64, 3}
+                        : FwdTileSm90{128, masked && head_dim > 64 ? 96 : 128, head_dim <= 64 ? 4 : 3};
 }
 
 // sm80 forward (cp.async + mma.sync): kBlockM query rows over kWarps warps (16 rows per warp per slab),
