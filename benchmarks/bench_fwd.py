@@ -39,7 +39,8 @@ IMPLS = ["flash_attn4", "fa4_cute", "sdpa_cudnn", "sdpa_flash"]
 # call); the others run bf16 on the same values; fp8_matmul is an 8192^3 e4m3 matmul (torch._scaled_mm, bf16
 # out), the fp8 tensor-core rate in the same run (its FLOPs are its own, 2 * 8192^3).
 FP8_IMPLS = ["flash_attn4_fp8", "flash_attn4", "fa4_cute", "sdpa_cudnn", "fp8_matmul"]
-OPTIONAL_IMPLS = ["flash_attn4_sinks"]  # only when asked for: what an option costs beside the plain kernels
+# Only when asked for: what an option costs beside the plain kernels.
+OPTIONAL_IMPLS = ["flash_attn4_sinks", "flash_attn4_alibi"]
 HDIMS = [64, 128, 256]
 SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
 TOKENS, WIDTH = 16384, 2048  # batch * seqlen, nheads * hdim
@@ -195,6 +196,17 @@ def make_impl(name: str, q, k, v, causal: bool, bwd: bool = False, deterministic
         sinks = torch.randn(q.shape[2], device=q.device, requires_grad=bwd)
         fwd = lambda q, k, v: attn(q, k, v, causal=causal, deterministic=deterministic, sinks=sinks)  # noqa: E731
         layout, ctx = (lambda t: t), contextlib.nullcontext
+    elif name == "flash_attn4_alibi":  # the ALiBi kernels with the paper's slopes (cost beside the plain)
+        from flash_attn4 import _build_info, attn
+
+        if _build_info.padded_hdim(q.shape[-1]) not in _build_info.ALIBI_HDIMS:
+            raise RuntimeError(f"no ALiBi kernel at head dim {q.shape[-1]} ({_build_info.ALIBI_HDIMS} built)")
+        h = q.shape[2]
+        slopes = 2.0 ** (-8.0 * torch.arange(1, h + 1, device=q.device, dtype=torch.float32) / h)
+        fwd = lambda q, k, v: attn(  # noqa: E731
+            q, k, v, causal=causal, deterministic=deterministic, alibi_slopes=slopes
+        )
+        layout, ctx = (lambda t: t), contextlib.nullcontext
     elif name == "fa4_cute":
         from flash_attn.cute import flash_attn_func
 
@@ -226,7 +238,7 @@ def available_impls(requested: list[str]) -> list[str]:
     keep = []
     for name in requested:
         why = ""
-        if name in ("flash_attn4", "flash_attn4_sinks", "flash_attn4_fp8"):
+        if name in ("flash_attn4", "flash_attn4_sinks", "flash_attn4_alibi", "flash_attn4_fp8"):
             from flash_attn4 import _build_info
 
             ext, why = _build_info.load_extension()

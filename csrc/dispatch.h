@@ -20,6 +20,7 @@ struct FwdKernelEntry {
   bool causal;
   bool local;  // sliding window (BlockMask's kLocal); never together with causal
   bool sparse;  // walks a block mask's lists (SparseList) instead of the band the mask leaves
+  bool alibi;   // adds the ALiBi bias (score_bias.hpp)
   FwdLauncher launch;
   const char* name;
 };
@@ -30,11 +31,11 @@ extern const int kNumFwdKernels;
 
 // Returns nullptr when no instantiation matches (the binding turns that into a clear error).
 inline const FwdKernelEntry* find_fwd_kernel(int arch, DType dtype, int head_dim, bool causal, bool local,
-                                             bool sparse = false) {
+                                             bool sparse = false, bool alibi = false) {
   for (int i = 0; i < kNumFwdKernels; ++i) {
     const FwdKernelEntry& e = kFwdKernels[i];
     if (e.arch == arch && e.dtype == dtype && e.head_dim == head_dim && e.causal == causal && e.local == local &&
-        e.sparse == sparse) {
+        e.sparse == sparse && e.alibi == alibi) {
       return &e;
     }
   }
@@ -50,6 +51,7 @@ struct BwdKernelEntry {
   bool causal;
   bool local;
   bool sparse;  // walks a block mask's transposed lists (SparseList)
+  bool alibi;
   BwdLauncher launch;
   const char* name;
 };
@@ -58,11 +60,11 @@ extern const BwdKernelEntry kBwdKernels[];
 extern const int kNumBwdKernels;
 
 inline const BwdKernelEntry* find_bwd_kernel(int arch, DType dtype, int head_dim, bool causal, bool local,
-                                             bool sparse = false) {
+                                             bool sparse = false, bool alibi = false) {
   for (int i = 0; i < kNumBwdKernels; ++i) {
     const BwdKernelEntry& e = kBwdKernels[i];
     if (e.arch == arch && e.dtype == dtype && e.head_dim == head_dim && e.causal == causal && e.local == local &&
-        e.sparse == sparse) {
+        e.sparse == sparse && e.alibi == alibi) {
       return &e;
     }
   }
@@ -93,9 +95,12 @@ inline const DecodeKernelEntry* find_decode_kernel(DType dtype, int head_dim, bo
 }
 
 // Declared here, defined (and explicitly instantiated, one combination per .cu) in launch/.
-template <int Arch, DType kDType, int kHeadDim, bool kCausal, bool kLocal, class Iter = DenseBand>
+// Iter: DenseBand / SparseList; Bias: NoBias / Alibi (sm90 only).
+template <int Arch, DType kDType, int kHeadDim, bool kCausal, bool kLocal, class Iter = DenseBand,
+          class Bias = NoBias>
 void run_fwd(const FwdParams& params, cudaStream_t stream);
-template <int Arch, DType kDType, int kHeadDim, bool kCausal, bool kLocal, class Iter = DenseBand>
+template <int Arch, DType kDType, int kHeadDim, bool kCausal, bool kLocal, class Iter = DenseBand,
+          class Bias = NoBias>
 void run_bwd(const BwdParams& params, cudaStream_t stream);
 template <DType kDType, int kHeadDim, bool kPaged>
 void run_decode(const DecodeParams& params, const AppendParams* append, cudaStream_t stream);

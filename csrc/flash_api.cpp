@@ -163,6 +163,26 @@ bool set_block_sparse(flash4::BlockSparseParams& b, const OptTensor& kv_count, c
   return true;
 }
 
+// ALiBi slopes into p: fp32 (nheads_q,) or (batch, nheads_q) on q's device, last dim contiguous; the Alibi
+// kernels take no softcap. Returns whether slopes were given.
+template <class P>
+bool set_alibi(P& p, const OptTensor& slopes, const Options& o, int64_t nheads_q, const at::Tensor& q,
+               double softmax_scale) {
+  if (!slopes.has_value()) return false;
+  const at::Tensor& s = *slopes;
+  TORCH_CHECK(s.is_cuda() && s.device() == q.device() && s.scalar_type() == at::kFloat &&
+                  (s.dim() == 1 || (s.dim() == 2 && s.size(0) == o.batch)) && s.size(-1) == nheads_q &&
+                  s.stride(-1) == 1,
+              "flash_attn4: alibi_slopes must be a float32 tensor on q's device of shape (" + str(nheads_q) +
+                  ",) or (" + str(o.batch) + ", " + str(nheads_q) + ") with a contiguous last dim, got " +
+                  str(s.sizes()));
+  TORCH_CHECK(o.softcap == 0.f, "flash_attn4: the ALiBi kernels take no softcap");
+  TORCH_CHECK(softmax_scale > 0.0, "flash_attn4: ALiBi needs softmax_scale > 0");
+  p.alibi_slopes = s.data_ptr<float>();
+  p.alibi_batch_stride = s.dim() == 2 ? s.stride(0) : 0;
+  return true;
+}
+
 // Writes softmax(q k^T * scale + mask) v into `out` and the natural-log LSE into `lse`: (batch, hq, sq) for
 // 4-D inputs, (hq, total_q) for packed ones (cu_seqlens given: q (total_q, hq, d), k/v (total_k, hk, d)).
 void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
@@ -170,7 +190,7 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
          const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k, const OptTensor& seqused_q,
          const OptTensor& seqused_k, int64_t max_seqlen_q, int64_t max_seqlen_k, int64_t kernel_arch,
          const OptTensor& block_kv_count, const OptTensor& block_kv_index, const OptTensor& block_full_count,
-         const OptTensor& block_full_index) {
+         const OptTensor& block_full_index, const OptTensor& alibi_slopes) {
   TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda() && out.is_cuda() && lse.is_cuda(),
               "flash_attn4: all tensors must be on a CUDA device");
   TORCH_CHECK(k.device() == q.device() && v.device() == q.device() && out.device() == q.device() &&
@@ -216,9 +236,11 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
   flash4::FwdParams p;
   const bool sparse = set_block_sparse(p.block_sparse, block_kv_count, block_kv_index, block_full_count,
                                        block_full_index, o, nheads_q, q, /*transposed=*/false);
+  const bool alibi = set_alibi(p, alibi_slopes, o, nheads_q, q, softmax_scale);
   const flash4::FwdKernelEntry* entry =
-      flash4::find_fwd_kernel(int(kernel_arch), kdtype, int(head_dim), o.causal, o.local, sparse);
+      flash4::find_fwd_kernel(int(kernel_arch), kdtype, int(head_dim), o.causal, o.local, sparse, alibi);
   TORCH_CHECK(entry != nullptr, "flash_attn4: no compiled " + std::string(sparse ? "block-sparse " : "") +
+                                    (alibi ? "ALiBi " : "") +
                                     "forward kernel for sm" + str(kernel_arch) + ", " +
                                     (kdtype == DType::kBF16 ? "bf16" : "fp16") + ", head_dim " + str(head_dim) +
                                     ", " + mask_name(o) +
@@ -260,7 +282,7 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
          int64_t window_right, double softcap, const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k,
          const OptTensor& seqused_q, const OptTensor& seqused_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
          int64_t kernel_arch, const OptTensor& block_q_count, const OptTensor& block_q_index,
-         const OptTensor& block_full_q_count, const OptTensor& block_full_q_index) {
+         const OptTensor& block_full_q_count, const OptTensor& block_full_q_index, const OptTensor& alibi_slopes) {
   using TensorList = std::initializer_list<const at::Tensor*>;
   for (const at::Tensor* t : TensorList{&dout, &q, &k, &v, &out, &lse, &dq, &dk, &dv}) {
     TORCH_CHECK(t->is_cuda() && t->device() == q.device(), "flash_attn4: all tensors must be on q's CUDA device");
@@ -312,9 +334,11 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
   const bool sparse = set_block_sparse(p.block_sparse, block_q_count, block_q_index, block_full_q_count,
                                        block_full_q_index, o, nheads_q, q, /*transposed=*/true);
   TORCH_CHECK(!(sparse && deterministic), "flash_attn4: the block-sparse backward has no deterministic mode");
+  const bool alibi = set_alibi(p, alibi_slopes, o, nheads_q, q, softmax_scale);
   const flash4::BwdKernelEntry* entry =
-      flash4::find_bwd_kernel(int(kernel_arch), kdtype, int(head_dim), o.causal, o.local, sparse);
+      flash4::find_bwd_kernel(int(kernel_arch), kdtype, int(head_dim), o.causal, o.local, sparse, alibi);
   TORCH_CHECK(entry != nullptr, "flash_attn4: no compiled " + std::string(sparse ? "block-sparse " : "") +
+                                    (alibi ? "ALiBi " : "") +
                                     "backward kernel for sm" + str(kernel_arch) + ", " +
                                     (kdtype == DType::kBF16 ? "bf16" : "fp16") + ", head_dim " + str(head_dim) +
                                     ", " + mask_name(o));
@@ -392,7 +416,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("cu_seqlens_k") = py::none(), py::arg("seqused_q") = py::none(), py::arg("seqused_k") = py::none(),
         py::arg("max_seqlen_q") = 0, py::arg("max_seqlen_k") = 0, py::arg("kernel_arch") = 0,
         py::arg("block_kv_count") = py::none(), py::arg("block_kv_index") = py::none(),
-        py::arg("block_full_count") = py::none(), py::arg("block_full_index") = py::none());
+        py::arg("block_full_count") = py::none(), py::arg("block_full_index") = py::none(),
+        py::arg("alibi_slopes") = py::none());
   m.def("bwd", &bwd, "Attention backward into preallocated dq/dk/dv", py::arg("dout"), py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
         py::arg("softmax_scale"), py::arg("causal"), py::arg("deterministic") = false, py::arg("dlse") = py::none(),
@@ -400,7 +425,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("cu_seqlens_q") = py::none(), py::arg("cu_seqlens_k") = py::none(), py::arg("seqused_q") = py::none(),
         py::arg("seqused_k") = py::none(), py::arg("max_seqlen_q") = 0, py::arg("max_seqlen_k") = 0,
         py::arg("kernel_arch") = 0, py::arg("block_q_count") = py::none(), py::arg("block_q_index") = py::none(),
-        py::arg("block_full_q_count") = py::none(), py::arg("block_full_q_index") = py::none());
+        py::arg("block_full_q_count") = py::none(), py::arg("block_full_q_index") = py::none(),
+        py::arg("alibi_slopes") = py::none());
   flash4::binding::register_decode(m);
   flash4::binding::register_fp8(m);
   m.def("compiled_kernels", &compiled_kernels, "Names of the kernel instantiations in this build");

@@ -44,6 +44,12 @@ struct SeqMaskParams {
   int window_left = 0, window_right = 0;
   float softcap = 0.f;
 
+  // ALiBi, read by the Alibi instantiations only (common/score_bias.hpp): the logit of query i and key j gains
+  // -slopes[b * alibi_batch_stride + h] * |i + seqlen_k - seqlen_q - j| (per sequence); fp32, stride 0 for
+  // one (nheads_q,) vector shared by the batch. Never together with softcap (the binding checks).
+  const float* alibi_slopes = nullptr;
+  int64_t alibi_batch_stride = 0;
+
   // How the kernels turn a raw score s = q.k into the softmax exponent, in one place for both directions:
   // exp2(t * score_scale_log2() - ...) with t = s, or with softcap t = tanh(s * softcap_scale()) (the capped
   // scaled score is softcap * t); lse_scale() turns the running max of t back into natural-log units.
@@ -65,6 +71,9 @@ struct SeqMaskParams {
 // index lists. Tags only; the dispatch table keys on them.
 struct DenseBand {};
 struct SparseList {};
+// Score biases (common/score_bias.hpp, where they are defined): none, or ALiBi.
+struct NoBias;
+struct Alibi;
 
 // Keys (and queries) per block of a block mask (flash_attn4/block_mask.py): the sm90 forward's query tile,
 // and a multiple of its kBlockN.

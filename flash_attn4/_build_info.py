@@ -2,7 +2,7 @@
 
 `setup.py` writes `flash_attn4/_build_config.py` (git-ignored) next to this file. It defines exactly
 `BUILT`, `REASON`, `ARCHS` (kernel families), `TARGETS` (the GPUs compiled for), `DTYPES`, `HDIMS`,
-`BLOCK_SPARSE_HDIMS`, `FP8_HDIMS`, `TORCH_VERSION` and `CUDA_VERSION`. When the file is
+`BLOCK_SPARSE_HDIMS`, `FP8_HDIMS`, `ALIBI_HDIMS`, `TORCH_VERSION` and `CUDA_VERSION`. When the file is
 missing (a source checkout that was never built, or an install without CUDA) every query answers
 "not built" and the Python package runs on the PyTorch reference alone.
 """
@@ -36,6 +36,8 @@ HDIMS: tuple[int, ...] = tuple(sorted(int(h) for h in getattr(_cfg, "HDIMS", ())
 BLOCK_SPARSE_HDIMS: tuple[int, ...] = tuple(sorted(int(h) for h in getattr(_cfg, "BLOCK_SPARSE_HDIMS", ())))
 # Head dims with an fp8 (e4m3) forward (sm90; csrc/generate_kernels.py, FP8_HDIMS).
 FP8_HDIMS: tuple[int, ...] = tuple(sorted(int(h) for h in getattr(_cfg, "FP8_HDIMS", ())))
+# Head dims with ALiBi kernels (the sm90 family, both directions; csrc/generate_kernels.py, ALIBI_ARCHS).
+ALIBI_HDIMS: tuple[int, ...] = tuple(sorted(int(h) for h in getattr(_cfg, "ALIBI_HDIMS", ())))
 TORCH_VERSION: str = str(getattr(_cfg, "TORCH_VERSION", ""))
 CUDA_VERSION: str = str(getattr(_cfg, "CUDA_VERSION", ""))
 

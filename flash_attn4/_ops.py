@@ -152,6 +152,13 @@ def _kernel_options(plan: _Plan, softcap: float, varlen: Optional[dict]) -> dict
     return {**kw, **(varlen or {})}
 
 
+def _alibi_arg(slopes: Optional[Tensor]) -> dict:
+    """`_C.fwd` / `_C.bwd`'s alibi_slopes argument: fp32 with a contiguous last dim (a copy otherwise)."""
+    if slopes is None:
+        return {}
+    return {"alibi_slopes": slopes.to(torch.float32).contiguous()}
+
+
 def fwd_into(
     q: Tensor,
     k: Tensor,
@@ -164,6 +171,7 @@ def fwd_into(
     softcap: float = 0.0,
     varlen: Optional[dict] = None,
     blocks: Optional[dict] = None,
+    alibi_slopes: Optional[Tensor] = None,
 ) -> None:
     """Run the compiled forward kernel, writing `out` and `lse`.
 
@@ -177,6 +185,7 @@ def fwd_into(
         plan: from `_kernel_plan` (kernel family and mask).
         varlen: cu_seqlens_q/k, seqused_q/k, max_seqlen_q/k for `_C.fwd`.
         blocks: a block mask's lists (block_kv_count, ...) for `_C.fwd`'s block-sparse kernels.
+        alibi_slopes: fp32 (nheads_q,) or (batch, nheads_q) for the ALiBi kernels (no softcap).
     """
     ext, why = _build_info.load_extension()
     if ext is None:
@@ -207,6 +216,7 @@ def fwd_into(
         bool(plan.causal),
         **_kernel_options(plan, softcap, varlen),
         **(blocks or {}),
+        **_alibi_arg(alibi_slopes),
     )
     if out_k is not out:
         out.copy_(out_k[..., :d])
@@ -230,6 +240,7 @@ def bwd_into(
     softcap: float = 0.0,
     varlen: Optional[dict] = None,
     blocks: Optional[dict] = None,
+    alibi_slopes: Optional[Tensor] = None,
 ) -> None:
     """Run the compiled backward kernel, writing dq, dk and dv.
 
@@ -240,7 +251,7 @@ def bwd_into(
             the sequences only).
         deterministic: bitwise-reproducible dq (key blocks add into it in a fixed order; slower).
         dlse: gradient of lse (same shape), or None for zero.
-        plan, softcap, varlen: as for `fwd_into`.
+        plan, softcap, varlen, alibi_slopes: as for `fwd_into`.
         blocks: a block mask's transposed lists (block_q_count, ...) for `_C.bwd`'s block-sparse kernels.
     """
     ext, why = _build_info.load_extension()
@@ -279,6 +290,7 @@ def bwd_into(
         None if dlse is None else dlse.float().contiguous(),
         **_kernel_options(plan, softcap, varlen),
         **(blocks or {}),
+        **_alibi_arg(alibi_slopes),
     )
     if dpad != d:
         dq.copy_(dq_k[..., :d])
@@ -452,4 +464,4 @@ fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 # The packed-batch ops live beside these (registered on import, as these are).
-from flash_attn4 import _ops_kvcache, _ops_sparse, _ops_varlen  # noqa: E402, F401
+from flash_attn4 import _ops_alibi, _ops_kvcache, _ops_sparse, _ops_varlen  # noqa: E402, F401

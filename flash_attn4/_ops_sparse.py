@@ -136,7 +136,7 @@ def bwd_block_sparse(
     deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of fwd_block_sparse: the block-sparse kernel where kernel_plan finds one (and not
-    deterministic), else the reference's, written out (block_sparse_bwd_ref)."""
+    deterministic), else the reference's, written out (general_bwd_ref)."""
     plan, why = kernel_plan(q, k, v, BLOCK, causal, window_left, window_right)
     if plan is not None and not deterministic and lse.dtype == torch.float32:
         dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
@@ -148,10 +148,10 @@ def bwd_block_sparse(
     if q.is_cuda and (why or deterministic):
         _warn_once(why or "flash_attn4: the block-sparse backward kernel has no deterministic mode; with "
                    "deterministic=True block-mask gradients come from the PyTorch reference")  # fmt: skip
-    from flash_attn4._reference_general import block_sparse_bwd_ref
+    from flash_attn4._reference_general import general_bwd_ref
 
     mask = _ListMask(kv_count, kv_index, full_count, full_index)
-    grads = block_sparse_bwd_ref(
+    grads = general_bwd_ref(
         dout, dlse, q, k, v, block_mask=mask, causal=causal, softmax_scale=softmax_scale,
         window_size=(window_left, window_right), softcap=softcap,
     )  # fmt: skip

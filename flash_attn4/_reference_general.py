@@ -117,11 +117,12 @@ def general_varlen_ref(
     return out, lse
 
 
-def block_sparse_bwd_ref(
-    dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, *, block_mask, causal: bool,
-    softmax_scale: float, window_size: tuple[int, int], softcap: float,
+def general_bwd_ref(
+    dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, *, block_mask=None,
+    alibi_slopes: Tensor | None = None, causal: bool, softmax_scale: float, window_size: tuple[int, int],
+    softcap: float,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """Gradients of general_attention_ref with a block mask (no ALiBi, no dropout), written out rather than
+    """Gradients of general_attention_ref (a block mask and / or ALiBi, no dropout), written out rather than
     taken through autograd (a custom op's implementation runs below autograd): per block of query rows,
     P from the recomputed scores, dV += P^T dO, dS = P (dP - (rowsum(dO O) - dlse)) (times 1 - tanh^2 under
     softcap), dQ = scale dS K, dK += scale dS^T Q; GQA heads summed into their kv head. Returns dq, dk, dv in
@@ -134,20 +135,33 @@ def block_sparse_bwd_ref(
     kt = k.transpose(1, 2).to(cdt).repeat_interleave(g, dim=1)
     vt = v.transpose(1, 2).to(cdt).repeat_interleave(g, dim=1)
     dot = dout.transpose(1, 2).to(cdt)
-    partial, full = block_mask.to_dense()
-    blk = block_mask.block_size
+    blk = BLOCK if block_mask is None else block_mask.block_size
+    if block_mask is not None:
+        partial, full = block_mask.to_dense()
     col_block = torch.arange(sk, device=q.device) // blk
+    slopes = None
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(cdt).reshape(-1 if alibi_slopes.dim() == 2 else 1, hq)[..., None, None]
     dq = torch.zeros_like(qt)
     dk = torch.zeros(b, hq, sk, d, dtype=cdt, device=q.device)
     dv = torch.zeros(b, hq, sk, v.shape[-1], dtype=cdt, device=q.device)
     for qb in range(math.ceil(sq / blk)):
         r0, r1 = qb * blk, min(sq, (qb + 1) * blk)
-        elem = _builtin(sq, sk, causal, window_size, q.device, rows=torch.arange(r0, r1, device=q.device))
-        seen = full[:, :, qb, col_block][:, :, None, :] | (partial[:, :, qb, col_block][:, :, None, :] & elem)
+        rows = torch.arange(r0, r1, device=q.device)
+        elem = _builtin(sq, sk, causal, window_size, q.device, rows=rows)
+        if block_mask is None:
+            seen = elem[None, None]
+        else:
+            partial_b = partial[:, :, qb, col_block][:, :, None, :]
+            seen = full[:, :, qb, col_block][:, :, None, :] | (partial_b & elem)
         seen = seen.expand(b, hq, -1, -1)
         s = torch.matmul(qt[:, :, r0:r1], kt.transpose(-1, -2)) * softmax_scale
         th = torch.tanh(s / softcap) if softcap else None
-        t = (softcap * th if softcap else s).masked_fill(~seen, -math.inf)
+        t = softcap * th if softcap else s
+        if slopes is not None:  # a constant in the scores: only P sees it
+            dist = rows[:, None] + (sk - sq) - torch.arange(sk, device=q.device)[None, :]
+            t = t - slopes * dist.abs().to(cdt)
+        t = t.masked_fill(~seen, -math.inf)
         empty = ~seen.any(dim=-1)
         lse = torch.logsumexp(torch.where(empty[..., None], torch.zeros_like(t), t), dim=-1)
         p = torch.exp(t - lse[..., None])  # 0 where masked (and on empty rows)

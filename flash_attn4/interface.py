@@ -218,8 +218,9 @@ def _block_sparse_kernel(q, k, v, block_mask, causal, left, right) -> bool:
 
 
 def _general(q, k, v, block_mask, alibi_slopes, dropout_p, softmax_scale, causal, left, right, softcap):
-    """The options no kernel runs yet (block masks, ALiBi, dropout): the PyTorch reference, with a warning
-    on CUDA. Dropout draws its (seed, offset) from torch's generator (flash_attn4.dropout)."""
+    """What no kernel runs yet (dropout, ALiBi with softcap or a block mask, block masks the block-sparse
+    kernels cannot take): the PyTorch reference, with a warning on CUDA. Dropout draws its (seed, offset)
+    from torch's generator (flash_attn4.dropout)."""
     from flash_attn4._reference_general import general_attention_ref
     from flash_attn4.dropout import draw_seed
 
@@ -328,6 +329,12 @@ def attn(
         out, lse = torch.ops.flash_attn4.fwd_block_sparse(
             q, k, v, m.kv_count, m.kv_index, m.full_count, m.full_index, m.q_count, m.q_index, m.full_q_count,
             m.full_q_index, softmax_scale, causal, left, right, softcap, deterministic,
+        )  # fmt: skip
+    elif alibi_slopes is not None and block_mask is None and dropout_p == 0 and not softcap:
+        # The ALiBi op: sm90 kernels where built, else its own reference path (with a warning on CUDA).
+        out, lse = torch.ops.flash_attn4.fwd_alibi(
+            q, k, v, alibi_slopes, None, None, None, None, q.shape[1], k.shape[1], softmax_scale, causal,
+            left, right, deterministic,
         )  # fmt: skip
     elif block_mask is not None or alibi_slopes is not None or dropout_p > 0:
         out, lse = _general(q, k, v, block_mask, alibi_slopes, dropout_p, softmax_scale, causal, left, right,
@@ -467,6 +474,14 @@ def attn_varlen(
     _validate_block_mask(block_mask, max_seqlen_q, max_seqlen_k, batch, q.shape[1], q.device,
                          "max_seqlen_q, max_seqlen_k")  # fmt: skip
     _validate_alibi(alibi_slopes, batch, q.shape[1], q.device)
+    if alibi_slopes is not None and block_mask is None and dropout_p == 0 and not softcap:
+        out, lse = torch.ops.flash_attn4.fwd_alibi(
+            q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+            max_seqlen_k, softmax_scale, causal, left, right, deterministic,
+        )  # fmt: skip
+        if sinks is not None:
+            out, lse = _with_sinks(out, lse, sinks, head_dim=0)
+        return (out, lse) if return_lse else out
     if dropout_p > 0 or block_mask is not None or alibi_slopes is not None:
         from flash_attn4._reference_general import general_varlen_ref
         from flash_attn4.dropout import draw_seed

@@ -66,7 +66,8 @@ def main() -> int:
     ap.add_argument(
         "--only",
         help="comma-separated subset of fwd90,bwd90,fwd80,bwd80,decode,decode_paged and the block-sparse "
-        "fwd90sparse,bwd90sparse,fwd80sparse,bwd80sparse (default: all but the block-sparse ones)",
+        "fwd90sparse,bwd90sparse,fwd80sparse,bwd80sparse and ALiBi fwd90alibi,bwd90alibi (default: all "
+        "but the block-sparse and ALiBi ones)",
     )
     ap.add_argument("--keep", type=Path, help="keep the objects in this folder (for tools/sass_stats.py)")
     ap.add_argument(
@@ -101,6 +102,12 @@ def main() -> int:
                     name[:3], int(name[3:5]), args.dtype, args.hdim, causal, local, sparse=True
                 )
             ]
+        ]
+        + [
+            (k, 90, (k.direction, 90))
+            for name in ("fwd90alibi", "bwd90alibi")
+            if name in wanted
+            for k in [generate_kernels.Kernel(name[:3], 90, args.dtype, args.hdim, causal, local, alibi=True)]
         ]
         + [
             (

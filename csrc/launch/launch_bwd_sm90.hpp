@@ -16,7 +16,7 @@
 
 namespace flash4 {
 
-template <DType kDType, int kHeadDim, bool kCausal, bool kLocal, class Iter = DenseBand>
+template <DType kDType, int kHeadDim, bool kCausal, bool kLocal, class Iter = DenseBand, class Bias = NoBias>
 void run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   using Element = CutlassElement<kDType>;
   // Head dim <= 128: dK and dV split along keys across the warpgroups; above (wide): along head_dim.
@@ -28,12 +28,12 @@ void run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   }
   bwd_preprocess_kernel<Element, kHeadDim><<<prepost_grid<kHeadDim>(p), kPrePostThreads, 0, stream>>>(p);
   check_cuda(cudaGetLastError(), "backward pre-pass launch");
-  using OneTile = BwdKernelSm90<Traits, kCausal, kLocal, Iter>;
+  using OneTile = BwdKernelSm90<Traits, kCausal, kLocal, Iter, Bias>;
   // Sliding windows of fixed-length batches at head dims <= 128, when the window is at most half the sequence
   // (nearly every key tile then costs the same), take the persistent kernel, as the forward does: its static
   // schedule would not balance causal's unequal tiles. Timed at head dim 128, tested at 64, 96 and 128.
   bool persistent = false;
-  if constexpr (kLocal && !Traits::kWide && !kIsSparse<Iter>) {
+  if constexpr (kLocal && !Traits::kWide && !kIsSparse<Iter> && !Bias::kEnabled) {
     persistent = p.cu_seqlens_q == nullptr && p.seqused_q == nullptr && p.seqused_k == nullptr &&
                  OneTile::Mainloop::tail_blocks(p) > 0;
     if (persistent) {

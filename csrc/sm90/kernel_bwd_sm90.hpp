@@ -25,10 +25,11 @@ namespace flash4 {
 using namespace cute;
 
 // Iter: the block iterator (common/block_sparse.hpp); SparseList walks a block mask's transposed lists.
-template <class Traits_, bool kCausal, bool kLocal, class Iter = DenseBand>
+// Bias: the score bias (common/score_bias.hpp).
+template <class Traits_, bool kCausal, bool kLocal, class Iter = DenseBand, class Bias = NoBias>
 struct BwdKernelSm90 {
   using Traits = Traits_;
-  using Mainloop = MainloopBwdSm90<Traits, kCausal, kLocal, Iter>;
+  using Mainloop = MainloopBwdSm90<Traits, kCausal, kLocal, Iter, Bias>;
   using Epilogue = EpilogueBwdSm90<Traits, kCausal, kLocal, Iter>;
   using SharedStorage = typename Traits::SharedStorage;
   static constexpr int kBlockN = Traits::kBlockN;

@@ -21,11 +21,12 @@ namespace flash4 {
 
 using namespace cute;
 
-// Iter: the block iterator (common/block_sparse.hpp); SparseList walks a block mask's lists.
-template <class Traits_, bool kCausal, bool kLocal, bool kSoftcap, class Iter = DenseBand>
+// Iter: the block iterator (common/block_sparse.hpp); SparseList walks a block mask's lists. Bias: the score
+// bias (common/score_bias.hpp).
+template <class Traits_, bool kCausal, bool kLocal, bool kSoftcap, class Iter = DenseBand, class Bias = NoBias>
 struct FwdKernelSm90 {
   using Traits = Traits_;
-  using Mainloop = MainloopFwdSm90<Traits, kCausal, kLocal, kSoftcap, Iter>;
+  using Mainloop = MainloopFwdSm90<Traits, kCausal, kLocal, kSoftcap, Iter, Bias>;
   static constexpr bool kSparse = Mainloop::kSparse;
   using Epilogue = EpilogueFwdSm90<Traits>;
   using SharedStorage = typename Traits::SharedStorage;
@@ -144,7 +145,7 @@ struct FwdKernelSm90 {
         typename Traits::PipelineState read;
         mainloop.mma(params.mainloop, pipeline_k, pipeline_v, smem, tOrO, softmax, lse, params.lse_scale * descale,
                      thread_idx, m_block, bm, n_block_min, n_block_max, read, /*q_phase=*/0, /*first_mma=*/true,
-                     trace, [] {}, walk);
+                     trace, [] {}, walk, Mainloop::bias(params.mainloop, seq, bidb, bidh));
         if constexpr (Traits::kFp8) {
           const float v_descale = Mainloop::out_descale(params.mainloop, bidb, bidh);
 #pragma unroll

@@ -25,9 +25,21 @@ namespace flash4 {
 
 using namespace cute;
 
+// Where a CTA's sequence lives, its masks, and the first scratch row of (sequence, query head 0). Outside the
+// mainloop so that the epilogue, which takes it, does not depend on the score bias.
+template <class Mask>
+struct BwdSeqSm90 {
+  SeqInfo info;
+  Mask bm;
+  int accum_offset;    // the sequence's first scratch row within its (batch, head) slice
+  int64_t accum_row0;  // the same row counted from the start of the scratch (+ head * accum_head_stride)
+  int bidb;            // the sequence (info.batch is 0 in packed batches)
+};
+
 // Iter: the block iterator (common/block_sparse.hpp): DenseBand visits the query blocks the causal / window
-// mask leaves a key tile, SparseList those a block mask's transposed lists name.
-template <class Traits_, bool kCausal, bool kLocal, class Iter = DenseBand>
+// mask leaves a key tile, SparseList those a block mask's transposed lists name. Bias: the score bias
+// (common/score_bias.hpp), NoBias or Alibi (without softcap).
+template <class Traits_, bool kCausal, bool kLocal, class Iter = DenseBand, class Bias = NoBias>
 struct MainloopBwdSm90 {
   using Traits = Traits_;
   using Element = typename Traits::Element;
@@ -77,6 +89,9 @@ struct MainloopBwdSm90 {
     const int* seqused_q;
     const int* seqused_k;
     BlockSparseParams block_sparse;  // the transposed lists (key blocks listing query blocks), SparseList only
+    const float* alibi_slopes;       // Alibi only (see SeqMaskParams)
+    int64_t alibi_batch_stride;
+    float bias_units;  // score units per logit: 1 / softmax_scale
   };
 
   // Key blocks of a (head, batch): the grid's x extent, and the launch order's block extent.
@@ -130,23 +145,30 @@ struct MainloopBwdSm90 {
             p.cu_seqlens_k,
             p.seqused_q,
             p.seqused_k,
-            p.block_sparse};
+            p.block_sparse,
+            p.alibi_slopes,
+            p.alibi_batch_stride,
+            1.f / p.softmax_scale};
   }
 
-  // Where a CTA's sequence lives, its masks, and the first scratch row of (sequence, query head 0).
-  struct Seq {
-    SeqInfo info;
-    Mask bm;
-    int accum_offset;    // the sequence's first scratch row within its (batch, head) slice
-    int64_t accum_row0;  // the same row counted from the start of the scratch (+ head * accum_head_stride)
-  };
+  using Seq = BwdSeqSm90<Mask>;
   CUTE_DEVICE static Seq seq_of(Params const& params, int bidb) {
     const SeqInfo info =
         make_seq_info(params.cu_seqlens_q, params.cu_seqlens_k, params.seqused_q, params.seqused_k, bidb,
                       params.seqlen_q, params.seqlen_k, get<0>(params.shape_q), get<0>(params.shape_k));
     const int64_t offset = params.cu_seqlens_q ? padded_row_offset(info.offset_q, bidb) : 0;
     return {info, Mask(info.seqlen_q, info.seqlen_k, params.window_left, params.window_right), int(offset),
-            info.batch * params.accum_batch_stride + offset};
+            info.batch * params.accum_batch_stride + offset, bidb};
+  }
+
+  // The score bias of query head bidh in the sequence.
+  CUTE_DEVICE static Bias bias(Params const& params, Seq const& seq, int bidh) {
+    if constexpr (Bias::kEnabled) {
+      return Bias::make(params.alibi_slopes, params.alibi_batch_stride, seq.bidb, bidh,
+                        seq.info.seqlen_k - seq.info.seqlen_q, params.bias_units);
+    } else {
+      return Bias{};
+    }
   }
 
   // Query blocks [m_min, m_max) that see at least one key of key block n_block (empty: m_max <= m_min).
@@ -330,6 +352,8 @@ struct MainloopBwdSm90 {
       const Walk w = walk(params.block_sparse, seq, bidh_kv * params.head_ratio + i, n_block);
       for (int v = 0; v < w.count(); ++v) {
         const int m_block = w.block(params.block_sparse, v);
+        // Read every step: held across the loop, the bias's two registers made the causal step spill.
+        const Bias b = bias(params, seq, bidh_kv * params.head_ratio + i);
         const int s = read.index();
         pipeline.consumer_wait(read);
         // K's and V's descriptors are the same every step, but made here from an opaque base: precomputed
@@ -343,7 +367,7 @@ struct MainloopBwdSm90 {
 
         const float* lse_s = &sLse(query_thr, s);
         const float* dpsum_s = &sDpsum(query_thr, s);
-        Scores::probabilities(params, step_mask(seq, w, v), tSrS_rc, tScS_rc, tScS0_rc, lse_s, n_block, m_block);
+        Scores::probabilities(params, step_mask(seq, w, v), b, tSrS_rc, tScS_rc, tScS0_rc, lse_s, n_block, m_block);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tSrdP);
         Scores::ds_from_dp(params, tSrdP_rc, tSrS_rc, tScS0_rc, dpsum_s, lse_s);
@@ -452,6 +476,7 @@ struct MainloopBwdSm90 {
     for (int i = 0; i < params.head_ratio; ++i) {
       const auto dq = epilogue.dq_rows(epilogue_params, seq, bidh_kv * params.head_ratio + i, warp_group);
       const Walk w = walk(params.block_sparse, seq, bidh_kv * params.head_ratio + i, n_block);
+      const Bias b = bias(params, seq, bidh_kv * params.head_ratio + i);
 #pragma unroll 1
       for (int v = 0; v < w.count(); ++v) {
         const int m_block = w.block(params.block_sparse, v);
@@ -463,7 +488,7 @@ struct MainloopBwdSm90 {
         warpgroup_fence_operand(tSrS);
         const float* lse_s = &sLse(query_thr, s);
         const float* dpsum_s = &sDpsum(query_thr, s);
-        Scores::probabilities(params, step_mask(seq, w, v), tSrS_rc, tScS_rc, tScS0_rc, lse_s, n_block, m_block);
+        Scores::probabilities(params, step_mask(seq, w, v), b, tSrS_rc, tScS_rc, tScS0_rc, lse_s, n_block, m_block);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tSrdP);
         Scores::ds_from_dp(params, tSrdP_rc, tSrS_rc, tScS0_rc, dpsum_s, lse_s);

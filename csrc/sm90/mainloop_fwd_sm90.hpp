@@ -17,6 +17,7 @@
 #include "../common/block_info.hpp"
 #include "../common/block_sparse.hpp"
 #include "../common/mask.hpp"
+#include "../common/score_bias.hpp"
 #include "../common/softmax.hpp"
 #include "../common/trace.hpp"
 #include "../params.h"
@@ -36,12 +37,14 @@ using namespace cute;
 //
 // kSoftcap: a compile-time switch (the launcher picks the instantiation at run time) because a uniform
 // run-time branch in the loop cost the plain kernels 4-5% (H200, hdim 64-256).
-// Iter: the block iterator (common/block_sparse.hpp), DenseBand or SparseList.
-template <class Traits, bool kCausal, bool kLocal, bool kSoftcap, class Iter = DenseBand>
+// Iter: the block iterator (common/block_sparse.hpp), DenseBand or SparseList. Bias: the score bias
+// (common/score_bias.hpp), NoBias or Alibi.
+template <class Traits, bool kCausal, bool kLocal, bool kSoftcap, class Iter = DenseBand, class Bias = NoBias>
 struct MainloopFwdSm90 {
   using Element = typename Traits::Element;
   static constexpr bool kFp8 = Traits::kFp8;
-  static_assert(!kFp8 || (!kSoftcap && !kIsSparse<Iter>), "fp8: no softcap, dense");
+  static_assert(!kFp8 || (!kSoftcap && !kIsSparse<Iter> && !Bias::kEnabled), "fp8: no softcap, dense, no bias");
+  static_assert(!(kSoftcap && Bias::kEnabled), "a score bias is added to uncapped scores only");
   // Above head dim 128, O takes 128 registers and a second 128 for the block's P V does not fit: P V goes
   // straight into O there (at head dim 128 the two forms measured the same error at 32k keys).
   static constexpr bool kTwoLevel = kFp8 && Traits::kHeadDim <= 128;
@@ -96,6 +99,9 @@ struct MainloopFwdSm90 {
     const float* k_descale;
     const float* v_descale;
     int nheads_kv;
+    const float* alibi_slopes;  // Alibi only (see SeqMaskParams)
+    int64_t alibi_batch_stride;
+    float bias_units;  // score units per logit: 1 / softmax_scale
   };
 
   static Params to_params(FwdParams const& p) {
@@ -139,7 +145,20 @@ struct MainloopFwdSm90 {
             p.q_descale,
             p.k_descale,
             p.v_descale,
-            p.nheads_kv};
+            p.nheads_kv,
+            p.alibi_slopes,
+            p.alibi_batch_stride,
+            1.f / p.softmax_scale};
+  }
+
+  // The score bias of a (sequence bidb, head) tile.
+  CUTE_DEVICE static Bias bias(Params const& params, SeqInfo const& seq, int bidb, int bidh) {
+    if constexpr (Bias::kEnabled) {
+      return Bias::make(params.alibi_slopes, params.alibi_batch_stride, bidb, bidh, seq.seqlen_k - seq.seqlen_q,
+                        params.bias_units);
+    } else {
+      return Bias{};
+    }
   }
 
   // fp8: what the raw scores and the output are multiplied by (q_descale * k_descale, v_descale) for the
@@ -287,7 +306,8 @@ struct MainloopFwdSm90 {
                        typename Traits::PipelineV& pipeline_v, SharedStorage& smem, FragO& tOrO, Softmax& softmax,
                        LSE& lse, float lse_scale, int thread_idx, int m_block, Mask const& bm, int n_block_min,
                        int n_block_max, typename Traits::PipelineState& read, int q_phase, bool first_mma,
-                       TraceRow const& trace, QDone&& q_done, Walk const& walk = Walk()) const {
+                       TraceRow const& trace, QDone&& q_done, Walk const& walk = Walk(),
+                       Bias const& bias = Bias()) const {
     typename Traits::TiledMmaQK tiled_mma_qk;
     typename Traits::TiledMmaPV tiled_mma_pv;
     auto thr_mma_qk = tiled_mma_qk.get_thread_slice(thread_idx);
@@ -339,6 +359,10 @@ struct MainloopFwdSm90 {
     // (row, col) of each score inside the tile, for masking.
     Tensor tScS = thr_mma_qk.partition_C(make_identity_tensor(select<0, 1>(typename Traits::TileShapeQK{})));
     Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol_layout(tScS.layout()));
+    // Thread 0's coordinates: the bias's per-element offsets from them fold to immediates (score_bias.hpp).
+    Tensor tScS0 = tiled_mma_qk.get_thread_slice(0).partition_C(
+        make_identity_tensor(select<0, 1>(typename Traits::TileShapeQK{})));
+    Tensor tScS0_rc = make_tensor(tScS0.data(), acc_rowcol_layout(tScS0.layout()));
 
     const int warp_group = thread_idx / 128;
     // One arrival per warpgroup frees a stage (the empty barriers count warpgroups, not threads): the
@@ -356,8 +380,13 @@ struct MainloopFwdSm90 {
         apply_mask(tSrS_rc, tScS_rc, row0, v * kBlockN, bm);
       }
     };
-    auto softcap = [&] {
+    // Softcap, or the score bias of virtual block v (never both).
+    auto modify = [&](int v) {
       if constexpr (kSoftcap) apply_softcap(tSrS, params.softcap_scale);
+      if constexpr (Bias::kEnabled) {
+        const int col0 = (kSparse ? walk.block(params.block_sparse, v) : v) * kBlockN;
+        bias.template apply</*kRowsAreQueries=*/true>(tSrS_rc, tScS_rc, tScS0_rc, row0, col0);
+      }
     };
 
     clear(tOrO);
@@ -386,7 +415,7 @@ struct MainloopFwdSm90 {
     if (thread_idx == 128) trace.stamp(TraceSlot::kWg1FirstKV);
     warpgroup_gemm</*zero_init=*/true, /*wait=*/0>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
     release(pipeline_k, read);
-    softcap();
+    modify(n_block);
     mask(n_block);
     o_scale = softmax.template update</*first=*/true>(tSrS_rc);
     convert_p();
@@ -406,7 +435,7 @@ struct MainloopFwdSm90 {
       warpgroup_wait<1>();  // batches retire in order: S is ready, P V may still run
       warpgroup_fence_operand(tSrS);
       release(pipeline_k, read);
-      softcap();
+      modify(n);
       if constexpr (decltype(masked)::value) mask(n);
       if constexpr (kRescaleBeforeGemm) {
         o_scale = softmax.template update</*first=*/false>(tSrS_rc);

@@ -1,13 +1,15 @@
 // The sm90 backward's score math on the S^T and dP^T accumulators (rowcol views: keys x queries), between
 // the GEMMs of a step: P^T from S^T and the saved lse, dS^T from dP^T, P^T and D. Softcap lives here (the
 // only score modifier so far); a new one (ALiBi, sinks) is another transform of S^T before the exponential
-// and its derivative in ds_from_dp. `Params` is the mainloop's (scale_log2, softcap_scale).
+// and its derivative in ds_from_dp; a score bias (common/score_bias.hpp) only changes P, since it is constant
+// in the scores. `Params` is the mainloop's (scale_log2, softcap_scale).
 #pragma once
 
 #include <cute/tensor.hpp>
 
 #include "../common/fast_math.hpp"
 #include "../common/mask.hpp"  // apply_softcap
+#include "../common/score_bias.hpp"
 
 namespace flash4 {
 
@@ -18,12 +20,17 @@ struct ScoresBwdSm90 {
   // P^T = exp2(S^T * scale_log2 - lse_log2[q]) in place; masked entries are 0. Rows of Q past seqlen_q have
   // lse_log2 = +inf (pre-pass), so they give 0 without a mask. lse_s points at this thread's first query
   // column; tScS0_rc (thread 0's coordinates) gives the other columns' offsets, which fold to immediates.
-  template <class Params, class Mask, class TS, class TC, class TC0>
-  CUTE_DEVICE static void probabilities(Params const& params, Mask const& bm, TS& tSrS_rc, TC const& tScS_rc,
-                                        TC0 const& tScS0_rc, const float* lse_s, int n_block, int m_block) {
+  template <class Params, class Mask, class Bias, class TS, class TC, class TC0>
+  CUTE_DEVICE static void probabilities(Params const& params, Mask const& bm, Bias const& bias, TS& tSrS_rc,
+                                        TC const& tScS_rc, TC0 const& tScS0_rc, const float* lse_s, int n_block,
+                                        int m_block) {
     const int key0 = n_block * kBlockN, query0 = m_block * kBlockM;
     const bool need_mask = bm.tile_needs_mask(m_block, n_block);
-    if (params.softcap_scale != 0.f) apply_softcap(tSrS_rc, params.softcap_scale);
+    if constexpr (Bias::kEnabled) {
+      bias.template apply</*kRowsAreQueries=*/false>(tSrS_rc, tScS_rc, tScS0_rc, key0, query0);
+    } else if (params.softcap_scale != 0.f) {
+      apply_softcap(tSrS_rc, params.softcap_scale);
+    }
 #pragma unroll
     for (int r = 0; r < size<0>(tSrS_rc); ++r) {
 #pragma unroll
