@@ -48,6 +48,26 @@ struct Alibi {
       }
     }
   }
+
+  // The forward's tiles that lie on one side of the diagonal (every key j <= i' = query + offset: side = +1,
+  // or every j >= i': side = -1; a causal tile's keys past the diagonal are masked, so it counts as +1):
+  // there -slope |i' - j| = side * slope * (j - i') splits into side * slope * (column offset), one FFMA with
+  // an immediate an element, and a per-row part returned in `off` (OnlineSoftmax adds it to the row's max).
+  template <class TS, class TC, class TC0, class Off>
+  CUTE_DEVICE void apply_split(TS& s, TC const& tC, TC0 const& tC0, int row0, int col0, float side,
+                               Off& off) const {
+    using cute::get;
+    const float k = side * slope;
+    const float col_thr = float(col0 + get<1>(tC(0, 0)));
+#pragma unroll
+    for (int r = 0; r < cute::size<0>(s); ++r) {
+      off[r] = k * (col_thr - float(row0 + offset + get<0>(tC(r, 0))));
+#pragma unroll
+      for (int c = 0; c < cute::size<1>(s); ++c) {
+        s(r, c) = fmaf(k, float(get<1>(tC0(0, c)) - get<1>(tC0(0, 0))), s(r, c));
+      }
+    }
+  }
 };
 
 }  // namespace flash4

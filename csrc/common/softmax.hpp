@@ -11,6 +11,7 @@
 #include <cute/tensor.hpp>
 
 #include <cmath>
+#include <type_traits>
 
 #include "fast_math.hpp"
 
@@ -23,6 +24,18 @@ __device__ __forceinline__ float allreduce_max(float x) {
     x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
   }
   return x;
+}
+
+// Per-row offsets of a score tile: its true scores are s(r, c) + off[r] (a score bias split into a part added
+// to the elements and a part per row, common/score_bias.hpp). NoRowOffset: none, at no cost.
+struct NoRowOffset {};
+template <class Off>
+__device__ __forceinline__ float add_row_offset(float x, Off const& off, int r) {
+  if constexpr (std::is_same_v<Off, NoRowOffset>) {
+    return x;
+  } else {
+    return x + off[r];
+  }
 }
 
 template <int kThreadsPerRow>
@@ -52,13 +65,21 @@ struct OnlineSoftmax {
     }
   }
 
-  // Max of row r over the running max and this tile's scores, reduced over the row's lanes.
-  template <class TensorS>
-  __device__ __forceinline__ float tile_row_max(TensorS const& s, int r) const {
-    float m = row_max[r];
+  // Max of row r over the running max and this tile's scores (plus the row's offset), reduced over the row's
+  // lanes.
+  template <class TensorS, class Off = NoRowOffset>
+  __device__ __forceinline__ float tile_row_max(TensorS const& s, int r, Off const& off = {}) const {
+    if constexpr (std::is_same_v<Off, NoRowOffset>) {
+      float m = row_max[r];
 #pragma unroll
-    for (int c = 0; c < cute::size<1>(s); ++c) m = fmaxf(m, s(r, c));
-    return allreduce_max<kThreadsPerRow>(m);
+      for (int c = 0; c < cute::size<1>(s); ++c) m = fmaxf(m, s(r, c));
+      return allreduce_max<kThreadsPerRow>(m);
+    } else {
+      float m = -INFINITY;
+#pragma unroll
+      for (int c = 0; c < cute::size<1>(s); ++c) m = fmaxf(m, s(r, c));
+      return fmaxf(row_max[r], allreduce_max<kThreadsPerRow>(m) + off[r]);
+    }
   }
 
   // The exponent offset for a row max m: m * scale_log2, or 0 for a row that has seen only masked keys
@@ -77,9 +98,12 @@ struct OnlineSoftmax {
     return scale;
   }
 
-  // Row r's scores -> exp2(s * scale_log2 - m_scaled) in place, added into the row sum.
-  template <class TensorS>
-  __device__ __forceinline__ void exponentiate_row(TensorS& s, int r, float m_scaled) {
+  // Row r's scores -> exp2(s * scale_log2 - m_scaled) in place, added into the row sum. With a row offset the
+  // exponent is (s + off - m) * scale_log2: the offset moves into the row's constant, far from the elements'
+  // precision only where the exponential underflows anyway.
+  template <class TensorS, class Off = NoRowOffset>
+  __device__ __forceinline__ void exponentiate_row(TensorS& s, int r, float m_scaled, Off const& off = {}) {
+    if constexpr (!std::is_same_v<Off, NoRowOffset>) m_scaled -= off[r] * scale_log2;
     float sum = 0.f;
 #pragma unroll
     for (int c = 0; c < cute::size<1>(s); ++c) {
@@ -92,13 +116,14 @@ struct OnlineSoftmax {
   // Turns the scores S (rowcol view, kRows x cols, fp32) into unnormalized probabilities in place and
   // returns, per row, the factor by which the output accumulated so far must be rescaled.
   // kFirst: no earlier tile, so nothing to rescale.
-  template <bool kFirst, class TensorS>
-  __device__ __forceinline__ cute::array<float, kRows> update(TensorS& s) {
+  // `off`: per-row offsets of the tile (NoRowOffset: none).
+  template <bool kFirst, class TensorS, class Off = NoRowOffset>
+  __device__ __forceinline__ cute::array<float, kRows> update(TensorS& s, Off const& off = {}) {
     static_assert(decltype(cute::size<0>(s))::value == kRows);
     cute::array<float, kRows> o_scale;
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      const float m = tile_row_max(s, r);
+      const float m = tile_row_max(s, r, off);
       const float m_scaled = max_offset(m);
       if constexpr (kFirst) {
         o_scale[r] = 1.f;
@@ -106,7 +131,7 @@ struct OnlineSoftmax {
       } else {
         o_scale[r] = move_max(r, m, m_scaled);
       }
-      exponentiate_row(s, r, m_scaled);
+      exponentiate_row(s, r, m_scaled, off);
     }
     return o_scale;
   }
@@ -121,14 +146,14 @@ struct OnlineSoftmax {
   // With a shift the headroom is what e4m3 has left above 2^kExpShift: 2^(7 + 1.75) = 430 <= 448.
   static constexpr float kLazyRescaleLog2 = kExpShift == 0 ? 8.f : 1.75f;
   static_assert(kExpShift == 0 || kExpShift + kLazyRescaleLog2 <= 8.8f, "P would leave e4m3's range");
-  template <class TensorS>
-  __device__ __forceinline__ bool update_lazy(TensorS& s, cute::array<float, kRows>& o_scale) {
+  template <class TensorS, class Off = NoRowOffset>
+  __device__ __forceinline__ bool update_lazy(TensorS& s, cute::array<float, kRows>& o_scale, Off const& off = {}) {
     static_assert(decltype(cute::size<0>(s))::value == kRows);
     cute::array<float, kRows> m_new;
     bool grow = false;
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      m_new[r] = tile_row_max(s, r);
+      m_new[r] = tile_row_max(s, r, off);
       // -inf -> finite is +inf > threshold; -inf -> -inf is NaN, not > threshold (nothing to rescale).
       grow |= (m_new[r] - row_max[r]) * scale_log2 > kLazyRescaleLog2;
     }
@@ -136,7 +161,7 @@ struct OnlineSoftmax {
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       if (rescale) o_scale[r] = move_max(r, m_new[r], max_offset(m_new[r]));
-      exponentiate_row(s, r, max_offset(row_max[r]));
+      exponentiate_row(s, r, max_offset(row_max[r]), off);
     }
     return rescale;
   }

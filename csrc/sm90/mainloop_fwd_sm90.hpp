@@ -380,12 +380,26 @@ struct MainloopFwdSm90 {
         apply_mask(tSrS_rc, tScS_rc, row0, v * kBlockN, bm);
       }
     };
-    // Softcap, or the score bias of virtual block v (never both).
+    // Softcap, or the score bias of virtual block v (never both). A tile on one side of the diagonal (all of
+    // them when causal) takes the bias's split form: an FFMA an element and per-row offsets that the softmax
+    // adds to the rows' maxima; one that crosses it, the full form (Alibi::apply_split / apply).
+    constexpr int kRowsS = decltype(size<0>(tSrS_rc))::value;
+    using RowOffset = std::conditional_t<Bias::kEnabled, cute::array<float, kRowsS>, NoRowOffset>;
+    RowOffset row_off{};
     auto modify = [&](int v) {
       if constexpr (kSoftcap) apply_softcap(tSrS, params.softcap_scale);
       if constexpr (Bias::kEnabled) {
         const int col0 = (kSparse ? walk.block(params.block_sparse, v) : v) * kBlockN;
-        bias.template apply</*kRowsAreQueries=*/true>(tSrS_rc, tScS_rc, tScS0_rc, row0, col0);
+        const int diag_lo = row0 + bias.offset;  // the tile's first and last query positions
+        if (kCausal || col0 + kBlockN - 1 <= diag_lo) {
+          bias.apply_split(tSrS_rc, tScS_rc, tScS0_rc, row0, col0, 1.f, row_off);
+        } else if (col0 >= diag_lo + kBlockM - 1) {
+          bias.apply_split(tSrS_rc, tScS_rc, tScS0_rc, row0, col0, -1.f, row_off);
+        } else {
+          bias.template apply</*kRowsAreQueries=*/true>(tSrS_rc, tScS_rc, tScS0_rc, row0, col0);
+#pragma unroll
+          for (int r = 0; r < kRowsS; ++r) row_off[r] = 0.f;
+        }
       }
     };
 
@@ -417,7 +431,7 @@ struct MainloopFwdSm90 {
     release(pipeline_k, read);
     modify(n_block);
     mask(n_block);
-    o_scale = softmax.template update</*first=*/true>(tSrS_rc);
+    o_scale = softmax.template update</*first=*/true>(tSrS_rc, row_off);
     convert_p();
     if (thread_idx == 0) trace.stamp(TraceSlot::kFirstStep);
     if (thread_idx == 128) trace.stamp(TraceSlot::kWg1FirstStep);
@@ -438,9 +452,9 @@ struct MainloopFwdSm90 {
       modify(n);
       if constexpr (decltype(masked)::value) mask(n);
       if constexpr (kRescaleBeforeGemm) {
-        o_scale = softmax.template update</*first=*/false>(tSrS_rc);
+        o_scale = softmax.template update</*first=*/false>(tSrS_rc, row_off);
       } else {
-        rescale_o = softmax.update_lazy(tSrS_rc, o_scale);
+        rescale_o = softmax.update_lazy(tSrS_rc, o_scale, row_off);
       }
       warpgroup_wait<0>();  // P V done: tOrP may be overwritten, V's stage released
       warpgroup_fence_operand(tOrO);
