@@ -75,10 +75,12 @@ struct OnlineSoftmax {
       for (int c = 0; c < cute::size<1>(s); ++c) m = fmaxf(m, s(r, c));
       return allreduce_max<kThreadsPerRow>(m);
     } else {
+      // The offset is per lane (each lane's scores are relative to its own first column): added before the
+      // reduction.
       float m = -INFINITY;
 #pragma unroll
       for (int c = 0; c < cute::size<1>(s); ++c) m = fmaxf(m, s(r, c));
-      return fmaxf(row_max[r], allreduce_max<kThreadsPerRow>(m) + off[r]);
+      return fmaxf(row_max[r], allreduce_max<kThreadsPerRow>(m + off[r]));
     }
   }
 

@@ -11,18 +11,9 @@
 
 namespace flash4 {
 
-template <DType kDType, int kHeadDim, bool kCausal, bool kLocal, class Iter = DenseBand, class Bias = NoBias>
-void run_fwd_sm90_16bit(const FwdParams& p, cudaStream_t stream) {
-  // Windows mask on both sides: they take the causal tiles (smaller kBlockN, fewer registers for masks).
-  // Block-sparse kernels too: their kBlockN must divide the mask's 128-key blocks (causal tiles: 128 up to
-  // head dim 128, 64 at 256).
-  constexpr FwdTileSm90 tile = fwd_tile_sm90(kHeadDim, kCausal || kLocal || kIsSparse<Iter>);
-  using Traits = FwdTraitsSm90<CutlassElement<kDType>, kHeadDim, tile.block_m, tile.block_n, tile.stages>;
-  if constexpr (Bias::kEnabled) {
-    // Biased scores take the one-tile-per-CTA kernel (no softcap: the binding checks).
-    launch_sm90<FwdKernelSm90<Traits, kCausal, kLocal, false, Iter, Bias>>(p, stream, "forward launch (ALiBi)");
-    return;
-  }
+// The launches without a score bias: block-sparse, persistent (windows), softcap or plain.
+template <class Traits, bool kCausal, bool kLocal, class Iter>
+void run_fwd_sm90_unbiased(const FwdParams& p, cudaStream_t stream) {
   if constexpr (kIsSparse<Iter>) {
     if (p.softcap > 0.f) {
       launch_sm90<FwdKernelSm90<Traits, kCausal, kLocal, true, Iter>>(p, stream, "block-sparse forward (softcap)");
@@ -37,7 +28,7 @@ void run_fwd_sm90_16bit(const FwdParams& p, cudaStream_t stream) {
   // 1.762 -> 1.713 ms, same run. Wider windows have tiles as unequal as causal
   // ones, which its static schedule does not balance (the whole causal triangle through it: 13% slower than
   // the causal kernel); packed batches and the other head dims were not measured with it.
-  if constexpr (kLocal && (kHeadDim == 64 || kHeadDim == 128)) {
+  if constexpr (kLocal && (Traits::kHeadDim == 64 || Traits::kHeadDim == 128)) {
     const bool uniform_tiles = p.cu_seqlens_q == nullptr && p.seqused_q == nullptr && p.seqused_k == nullptr &&
                                FwdKernelSm90<Traits, kCausal, kLocal, false>::tail_blocks(p) > 0;
     if (uniform_tiles) {
@@ -54,6 +45,21 @@ void run_fwd_sm90_16bit(const FwdParams& p, cudaStream_t stream) {
     launch_sm90<FwdKernelSm90<Traits, kCausal, kLocal, true>>(p, stream, "forward kernel launch (softcap)");
   } else {
     launch_sm90<FwdKernelSm90<Traits, kCausal, kLocal, false>>(p, stream, "forward kernel launch");
+  }
+}
+
+template <DType kDType, int kHeadDim, bool kCausal, bool kLocal, class Iter = DenseBand, class Bias = NoBias>
+void run_fwd_sm90_16bit(const FwdParams& p, cudaStream_t stream) {
+  // Windows mask on both sides: they take the causal tiles (smaller kBlockN, fewer registers for masks).
+  // Block-sparse kernels too: their kBlockN must divide the mask's 128-key blocks (causal tiles: 128 up to
+  // head dim 128, 64 at 256).
+  constexpr FwdTileSm90 tile = fwd_tile_sm90(kHeadDim, kCausal || kLocal || kIsSparse<Iter>);
+  using Traits = FwdTraitsSm90<CutlassElement<kDType>, kHeadDim, tile.block_m, tile.block_n, tile.stages>;
+  if constexpr (Bias::kEnabled) {
+    // Biased scores take the one-tile-per-CTA kernel (no softcap: the binding checks).
+    launch_sm90<FwdKernelSm90<Traits, kCausal, kLocal, false, Iter, Bias>>(p, stream, "forward launch (ALiBi)");
+  } else {
+    run_fwd_sm90_unbiased<Traits, kCausal, kLocal, Iter>(p, stream);
   }
 }
 
