@@ -193,6 +193,8 @@ def bwd_varlen(
         softmax_scale=softmax_scale,
         window_size=(window_left, window_right),
         softcap=softcap,
+        out=out,  # the forward's, used where exact (fp32 / fp64): P from its lse, D from it
+        lse=lse,
     )
     return tuple(g.contiguous() for g in grads)
 

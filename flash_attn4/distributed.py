@@ -23,7 +23,14 @@ from torch import Tensor
 
 from flash_attn4 import _ops
 
-__all__ = ["ring_attn", "zigzag_shard", "zigzag_unshard"]
+__all__ = [
+    "ring_attn",
+    "ring_attn_varlen",
+    "zigzag_shard",
+    "zigzag_shard_varlen",
+    "zigzag_unshard",
+    "zigzag_unshard_varlen",
+]
 
 
 def _world(group) -> tuple[int, int]:
@@ -111,7 +118,7 @@ def _ring_fwd(q, k, v, scale, causal, softcap, group):
     return out, lse  # in the compute dtype: the backward's D needs the unrounded out
 
 
-def _ring_bwd(dout, q, k, v, out, lse, scale, causal, softcap, group):
+def _ring_bwd(dout, dlse, q, k, v, out, lse, scale, causal, softcap, group):
     r, w = _world(group)
     sq = q.shape[1]
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -128,8 +135,10 @@ def _ring_bwd(dout, q, k, v, out, lse, scale, causal, softcap, group):
         # K / V of the next step travel while this step computes; the gradients follow once complete.
         pending, kv_next = _start_exchange([kb, vb], group) if step + 1 < w else ([], [None, None])
         for qs, ks, c in _pairs(r, owner, w, causal, sq, k.shape[1]):
+            # Every block's P uses the merged lse, so the lse gradient enters each block's backward whole.
+            dl = None if dlse is None else dlse[:, :, qs].contiguous()
             gq, gk, gv = _ops.bwd(
-                dout[:, qs].contiguous(), None, q[:, qs], kb[:, ks], vb[:, ks], out[:, qs].contiguous(),
+                dout[:, qs].contiguous(), dl, q[:, qs], kb[:, ks], vb[:, ks], out[:, qs].contiguous(),
                 lse[:, :, qs].contiguous(), scale, c, -1, -1, softcap, False,
             )  # fmt: skip
             dq[:, qs] += gq.to(cdt)
@@ -154,11 +163,10 @@ class _RingAttn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        if dlse is not None:
-            raise NotImplementedError("ring_attn's backward does not take a gradient of lse yet")
         q, k, v, out, lse = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout
-        dq, dk, dv = _ring_bwd(dout, q, k, v, out, lse, *ctx.args)
+        dlse = None if dlse is None else dlse.to(lse.dtype)
+        dq, dk, dv = _ring_bwd(dout, dlse, q, k, v, out, lse, *ctx.args)
         return dq, dk, dv, None, None, None, None
 
 
@@ -169,8 +177,8 @@ def ring_attn(
     """Attention of this rank's query shard over the whole sharded sequence. q (batch, seqlen_shard,
     nheads_q, d), k / v (batch, seqlen_shard, nheads_kv, d), the same shard length on every rank: contiguous
     shards for causal=False, zigzag shards (`zigzag_shard`) for causal=True; softcap as for `attn`. Returns
-    this rank's shard of
-    out (and of lse, (batch, nheads_q, seqlen_shard)). Differentiable in q, k, v."""
+    this rank's shard of out (and of lse, (batch, nheads_q, seqlen_shard)). Differentiable in q, k, v (and
+    through lse)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D (batch, seqlen_shard, nheads, headdim) tensor")
@@ -179,3 +187,10 @@ def ring_attn(
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     out, lse = _RingAttn.apply(q, k, v, scale, bool(causal), float(softcap), group)
     return (out, lse) if return_lse else out
+
+
+from flash_attn4._ring_varlen import (  # noqa: E402  (the packed form builds on the helpers above)
+    ring_attn_varlen,
+    zigzag_shard_varlen,
+    zigzag_unshard_varlen,
+)

@@ -446,8 +446,12 @@ def attention_varlen_bwd_ref(
     softmax_scale: float | None = None,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    out: Tensor | None = None,
+    lse: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of `attention_varlen_ref` (dlse: (nheads_q, total_q) or None); rows not used get 0."""
+    """Gradients of `attention_varlen_ref` (dlse: (nheads_q, total_q) or None); rows not used get 0. out
+    (total_q, nheads_q, d) and lse (nheads_q, total_q), optionally, as for `attention_bwd_ref`: P from that
+    lse and D from that out (a block of a larger attention, ring_attn_varlen's, gets its share)."""
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for q0, nq, k0, nk in _varlen_segments(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
         if nq == 0 or nk == 0:
@@ -462,6 +466,8 @@ def attention_varlen_bwd_ref(
             softmax_scale=softmax_scale,
             window_size=window_size,
             softcap=softcap,
+            out=None if out is None else out[None, q0 : q0 + nq],
+            lse=None if lse is None else lse[None, :, q0 : q0 + nq],
         )
         dq[q0 : q0 + nq] = g[0][0]
         dk[k0 : k0 + nk] = g[1][0]

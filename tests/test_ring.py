@@ -1,6 +1,7 @@
-"""Context parallelism (flash_attn4.distributed) on gloo, 2 and 4 processes on this machine: each rank's
-ring_attn shard equals single-process attn on the whole sequence, forward and gradients, causal (zigzag
-shards) and not (contiguous shards), GQA, odd chunk lengths."""
+"""Context parallelism (flash_attn4.distributed) on gloo, 2 to 4 processes on this machine: each rank's
+ring_attn shard equals single-process attn on the whole sequence, forward and gradients (through lse too),
+causal (zigzag shards) and not (contiguous shards), GQA, odd chunk lengths; ring_attn_varlen's equals
+attn_varlen on the whole packed batch, each sequence zigzag-sharded."""
 
 from __future__ import annotations
 
@@ -13,7 +14,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import flash_attn4
-from flash_attn4.distributed import ring_attn, zigzag_shard, zigzag_unshard
+from flash_attn4.distributed import (
+    ring_attn,
+    ring_attn_varlen,
+    zigzag_shard,
+    zigzag_shard_varlen,
+    zigzag_unshard,
+    zigzag_unshard_varlen,
+)
 
 
 def _free_port() -> int:
@@ -35,13 +43,16 @@ def _worker(rank: int, world: int, port: int, causal: bool, chunk: int, result_d
             shard = lambda t: zigzag_shard(t)  # noqa: E731
         else:
             shard = lambda t: t.chunk(world, dim=1)[rank]  # noqa: E731
+        dlse = torch.randn(2, 4, seqlen, generator=g, dtype=torch.float64)
+        lse_shard = lambda t: shard(t.transpose(1, 2)).transpose(1, 2)  # noqa: E731
         ql, kl, vl = (shard(t).clone().requires_grad_() for t in (q, k, v))
-        out = ring_attn(ql, kl, vl, causal=causal, softcap=softcap)
-        out.backward(shard(dout))
+        out, lse = ring_attn(ql, kl, vl, causal=causal, softcap=softcap, return_lse=True)
+        ((out * shard(dout)).sum() + (lse * lse_shard(dlse)).sum()).backward()
         # The reference on the whole sequence, on every rank, sharded the same way.
         qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
-        ref = flash_attn4.attn(qf, kf, vf, causal=causal, softcap=softcap)
-        ref.backward(dout)
+        ref, ref_lse = flash_attn4.attn(qf, kf, vf, causal=causal, softcap=softcap, return_lse=True)
+        ((ref * dout).sum() + (ref_lse * dlse).sum()).backward()
+        torch.testing.assert_close(lse, lse_shard(ref_lse), atol=1e-10, rtol=1e-10)
         torch.testing.assert_close(out, shard(ref), atol=1e-10, rtol=1e-10)
         for got, want in ((ql.grad, qf.grad), (kl.grad, kf.grad), (vl.grad, vf.grad)):
             torch.testing.assert_close(got, shard(want), atol=1e-9, rtol=1e-9)
@@ -59,4 +70,43 @@ def test_ring_attn_equals_whole_sequence_attn(tmp_path, world, causal, softcap):
     chunk = 19  # odd chunk lengths
     args = (world, _free_port(), causal, chunk, str(tmp_path), softcap)
     mp.spawn(_worker, args=args, nprocs=world, join=True)
+    assert sorted(os.listdir(tmp_path)) == [f"ok{r}" for r in range(world)]
+
+
+def _varlen_worker(rank: int, world: int, port: int, causal: bool, result_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        g = torch.Generator().manual_seed(1)
+        lens = [2 * world * c for c in (3, 1, 5, 2)]  # odd chunk lengths among them
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        total = sum(lens)
+        q, k, v = (torch.randn(total, h, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+        dout = torch.randn(total, 4, 16, generator=g, dtype=torch.float64)
+        dlse = torch.randn(4, total, generator=g, dtype=torch.float64)
+        shard = lambda t: zigzag_shard_varlen(t, cu)[0]  # noqa: E731
+        _, cu_local, max_local = zigzag_shard_varlen(q, cu)
+        ql, kl, vl = (shard(t).clone().requires_grad_() for t in (q, k, v))
+        out, lse = ring_attn_varlen(ql, kl, vl, cu_local, max_local, causal=causal, return_lse=True)
+        ((out * shard(dout)).sum() + (lse * shard(dlse.T).T).sum()).backward()
+        qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
+        ref, ref_lse = flash_attn4.attn_varlen(qf, kf, vf, cu, cu, max(lens), max(lens), causal=causal,
+                                               return_lse=True)  # fmt: skip
+        ((ref * dout).sum() + (ref_lse * dlse).sum()).backward()
+        torch.testing.assert_close(out, shard(ref), atol=1e-10, rtol=1e-10)
+        torch.testing.assert_close(lse, shard(ref_lse.T).T, atol=1e-10, rtol=1e-10)
+        for got, want in ((ql.grad, qf.grad), (kl.grad, kf.grad), (vl.grad, vf.grad)):
+            torch.testing.assert_close(got, shard(want), atol=1e-9, rtol=1e-9)
+        whole = zigzag_unshard_varlen(out.detach(), cu)
+        torch.testing.assert_close(whole, ref.detach(), atol=1e-10, rtol=1e-10)
+        open(os.path.join(result_dir, f"ok{rank}"), "w").close()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world,causal", [(2, False), (2, True), (3, True)])
+def test_ring_attn_varlen_equals_whole_batch_attn_varlen(tmp_path, world, causal):
+    mp.spawn(_varlen_worker, args=(world, _free_port(), causal, str(tmp_path)), nprocs=world, join=True)
     assert sorted(os.listdir(tmp_path)) == [f"ok{r}" for r in range(world)]
