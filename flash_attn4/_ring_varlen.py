@@ -146,7 +146,7 @@ def _ring_bwd(dout, dlse, q, k, v, out, lse, layout, scale, softcap, group):
                     acc += g.to(cdt)
                 else:
                     acc.index_add_(0, idx, g.to(cdt))
-        grad_reqs, grads_next = _start_exchange([dkb, dvb], group)
+        grad_reqs, grads_next = _start_exchange([dkb, dvb], group, tag=2)
         _finish(pending + grad_reqs)
         block = kv_next + grads_next
     return dq.to(q.dtype), block[2].to(k.dtype), block[3].to(v.dtype)

@@ -58,17 +58,18 @@ def zigzag_unshard(x: Tensor, *, group=None, dim: int = 1) -> Tensor:
     return torch.cat(chunks, dim=dim)
 
 
-def _start_exchange(tensors: list[Tensor], group) -> tuple[list, list[Tensor]]:
+def _start_exchange(tensors: list[Tensor], group, tag: int = 0) -> tuple[list, list[Tensor]]:
     """Starts sending `tensors` to the next rank and receiving the previous rank's (same shapes); returns
     (requests, receive buffers). The transfers run while the caller computes (on NCCL's own stream on
-    GPUs, on gloo's threads on CPU); `_finish` waits for them."""
+    GPUs, on gloo's threads on CPU); `_finish` waits for them. Message i carries tag + i, so exchanges in
+    flight together (a step's K / V and the previous block's gradients) never match each other's."""
     r, w = _world(group)
     nxt, prv = (r + 1) % w, (r - 1) % w
     nxt, prv = (dist.get_global_rank(group, i) if group is not None else i for i in (nxt, prv))
     received = [torch.empty_like(t) for t in tensors]
     sent = [t.contiguous() for t in tensors]  # kept alive with the requests until they are waited on
-    requests = [dist.isend(t, nxt, group=group) for t in sent] + [
-        dist.irecv(t, prv, group=group) for t in received
+    requests = [dist.isend(t, nxt, group=group, tag=tag + i) for i, t in enumerate(sent)] + [
+        dist.irecv(t, prv, group=group, tag=tag + i) for i, t in enumerate(received)
     ]
     return [(req, sent) for req in requests], received
 
@@ -145,7 +146,7 @@ def _ring_bwd(dout, dlse, q, k, v, out, lse, scale, causal, softcap, group):
             dkb[:, ks] += gk.to(cdt)
             dvb[:, ks] += gv.to(cdt)
         # The block's gradients move on with it; after w moves it is back with its owner.
-        grad_reqs, grads_next = _start_exchange([dkb, dvb], group)
+        grad_reqs, grads_next = _start_exchange([dkb, dvb], group, tag=2)
         _finish(pending + grad_reqs)
         block = kv_next + grads_next
     return dq.to(q.dtype), block[2].to(k.dtype), block[3].to(v.dtype)
