@@ -10,7 +10,8 @@ from torch import Tensor
 
 from flash_attn4 import _ops, _ops_kvcache, checks  # (importing the _ops modules registers the ops)
 from flash_attn4._reference_kvcache import merge_attn_states_ref
-from flash_attn4.interface import _validate_device_rules, _validate_options, _validate_sinks, _with_sinks
+from flash_attn4._sinks import _validate_sinks, _with_sinks
+from flash_attn4.interface import _validate_device_rules, _validate_options
 
 
 def _check_int_vector(name: str, t: Any, batch: int, device: torch.device) -> None:
