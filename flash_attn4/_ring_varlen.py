@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from flash_attn4 import _ops_varlen
-from flash_attn4.distributed import _finish, _merge, _start_exchange, _world
+from flash_attn4.distributed import _merge, _ring_backward_loop, _ring_forward_loop, _world
 
 
 def zigzag_shard_varlen(x: Tensor, cu_seqlens: Tensor, *, group=None) -> tuple[Tensor, Tensor, int]:
@@ -97,43 +97,34 @@ def _cols(t: Tensor, idx) -> Tensor:
 
 
 def _ring_fwd(q, k, v, layout, scale, softcap, group):
-    r, w = _world(group)
+    r, _ = _world(group)
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=cdt, device=q.device)
     lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=cdt, device=q.device)
-    kv = [k, v]
-    for step in range(w):
-        owner = (r - step) % w
-        pending, nxt = _start_exchange(kv, group) if step + 1 < w else ([], None)
+
+    def step(owner, kb, vb):
         for qi, ki, c, cu, mx in layout.blocks(r, owner):
             o, l_ = _ops_varlen.fwd_varlen(
-                _rows(q, qi), _rows(kv[0], ki), _rows(kv[1], ki), cu, cu, None, None, mx, mx, scale, c, -1,
-                -1, softcap, False,
+                _rows(q, qi), _rows(kb, ki), _rows(vb, ki), cu, cu, None, None, mx, mx, scale, c, -1, -1,
+                softcap, False,
             )  # fmt: skip
             o_m, l_m = _merge(_rows(out, qi)[None], _cols(lse, qi)[None], o.to(cdt)[None], l_.to(cdt)[None])
             if qi is None:
-                out, lse = o_m[0], l_m[0]
+                out.copy_(o_m[0])
+                lse.copy_(l_m[0])
             else:
                 out[qi], lse[:, qi] = o_m[0], l_m[0]
-        _finish(pending)
-        kv = nxt
+
+    _ring_forward_loop(k, v, group, step)
     return out, lse
 
 
 def _ring_bwd(dout, dlse, q, k, v, out, lse, layout, scale, softcap, group):
-    r, w = _world(group)
+    r, _ = _world(group)
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
-    block = [
-        k,
-        v,
-        torch.zeros(k.shape, dtype=cdt, device=k.device),
-        torch.zeros(v.shape, dtype=cdt, device=v.device),
-    ]
-    for step in range(w):
-        owner = (r - step) % w
-        kb, vb, dkb, dvb = block
-        pending, kv_next = _start_exchange([kb, vb], group) if step + 1 < w else ([], [None, None])
+
+    def step(owner, kb, vb, dkb, dvb):
         for qi, ki, c, cu, mx in layout.blocks(r, owner):
             dl = None if dlse is None else _cols(dlse, qi).contiguous()
             gq, gk, gv = _ops_varlen.bwd_varlen(
@@ -146,10 +137,9 @@ def _ring_bwd(dout, dlse, q, k, v, out, lse, layout, scale, softcap, group):
                     acc += g.to(cdt)
                 else:
                     acc.index_add_(0, idx, g.to(cdt))
-        grad_reqs, grads_next = _start_exchange([dkb, dvb], group, tag=2)
-        _finish(pending + grad_reqs)
-        block = kv_next + grads_next
-    return dq.to(q.dtype), block[2].to(k.dtype), block[3].to(v.dtype)
+
+    dk, dv = _ring_backward_loop(k, v, cdt, group, step)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class _RingAttnVarlen(torch.autograd.Function):

@@ -100,22 +100,52 @@ def _merge(out: Tensor, lse: Tensor, o: Tensor, l_: Tensor) -> tuple[Tensor, Ten
     return out * w_old + o * w_new, new
 
 
+def _ring_forward_loop(k: Tensor, v: Tensor, group, step) -> None:
+    """The forward's ring: step(owner, kb, vb) with the K / V block of rank `owner`, world times, while the
+    next block travels in (rank r holds rank r - s's block at step s)."""
+    r, w = _world(group)
+    kv = [k, v]
+    for s in range(w):
+        pending, nxt = _start_exchange(kv, group) if s + 1 < w else ([], None)  # the next block, meanwhile
+        step((r - s) % w, *kv)
+        _finish(pending)
+        kv = nxt
+
+
+def _ring_backward_loop(k: Tensor, v: Tensor, cdt, group, step) -> tuple[Tensor, Tensor]:
+    """The backward's ring: step(owner, kb, vb, dkb, dvb) adds this rank's share of the block's gradients
+    into dkb, dvb; K / V of the next step travel while it computes, the gradients follow once complete and
+    after world moves are back with their owner. Returns this rank's dk, dv (in cdt)."""
+    r, w = _world(group)
+    block = [
+        k,
+        v,
+        torch.zeros(k.shape, dtype=cdt, device=k.device),
+        torch.zeros(v.shape, dtype=cdt, device=v.device),
+    ]
+    for s in range(w):
+        kb, vb, dkb, dvb = block
+        pending, kv_next = _start_exchange([kb, vb], group) if s + 1 < w else ([], [None, None])
+        step((r - s) % w, kb, vb, dkb, dvb)
+        grad_reqs, grads_next = _start_exchange([dkb, dvb], group, tag=2)
+        _finish(pending + grad_reqs)
+        block = kv_next + grads_next
+    return block[2], block[3]
+
+
 def _ring_fwd(q, k, v, scale, causal, softcap, group):
     r, w = _world(group)
     b, sq, hq, _ = q.shape
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = torch.zeros(b, sq, hq, v.shape[-1], dtype=cdt, device=q.device)
     lse = torch.full((b, hq, sq), -math.inf, dtype=cdt, device=q.device)
-    kv = [k, v]
-    for step in range(w):
-        owner = (r - step) % w
-        pending, nxt = _start_exchange(kv, group) if step + 1 < w else ([], None)  # the next block, meanwhile
+
+    def step(owner, kb, vb):
         for qs, ks, c in _pairs(r, owner, w, causal, sq, k.shape[1]):
-            o, l_ = _ops.fwd_impl(q[:, qs], kv[0][:, ks], kv[1][:, ks], scale, c, -1, -1, softcap, False)
-            merged = _merge(out[:, qs], lse[:, :, qs], o.to(cdt), l_.to(cdt))
-            out[:, qs], lse[:, :, qs] = merged
-        _finish(pending)
-        kv = nxt
+            o, l_ = _ops.fwd_impl(q[:, qs], kb[:, ks], vb[:, ks], scale, c, -1, -1, softcap, False)
+            out[:, qs], lse[:, :, qs] = _merge(out[:, qs], lse[:, :, qs], o.to(cdt), l_.to(cdt))
+
+    _ring_forward_loop(k, v, group, step)
     return out, lse  # in the compute dtype: the backward's D needs the unrounded out
 
 
@@ -124,17 +154,8 @@ def _ring_bwd(dout, dlse, q, k, v, out, lse, scale, causal, softcap, group):
     sq = q.shape[1]
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
-    block = [
-        k,
-        v,
-        torch.zeros(k.shape, dtype=cdt, device=k.device),
-        torch.zeros(v.shape, dtype=cdt, device=v.device),
-    ]
-    for step in range(w):
-        owner = (r - step) % w
-        kb, vb, dkb, dvb = block
-        # K / V of the next step travel while this step computes; the gradients follow once complete.
-        pending, kv_next = _start_exchange([kb, vb], group) if step + 1 < w else ([], [None, None])
+
+    def step(owner, kb, vb, dkb, dvb):
         for qs, ks, c in _pairs(r, owner, w, causal, sq, k.shape[1]):
             # Every block's P uses the merged lse, so the lse gradient enters each block's backward whole.
             dl = None if dlse is None else dlse[:, :, qs].contiguous()
@@ -145,11 +166,9 @@ def _ring_bwd(dout, dlse, q, k, v, out, lse, scale, causal, softcap, group):
             dq[:, qs] += gq.to(cdt)
             dkb[:, ks] += gk.to(cdt)
             dvb[:, ks] += gv.to(cdt)
-        # The block's gradients move on with it; after w moves it is back with its owner.
-        grad_reqs, grads_next = _start_exchange([dkb, dvb], group, tag=2)
-        _finish(pending + grad_reqs)
-        block = kv_next + grads_next
-    return dq.to(q.dtype), block[2].to(k.dtype), block[3].to(v.dtype)
+
+    dk, dv = _ring_backward_loop(k, v, cdt, group, step)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class _RingAttn(torch.autograd.Function):

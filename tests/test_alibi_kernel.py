@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from test_block_sparse_kernel import _check  # the GPU tests' rule: error <= 2 x low precision's + floor
 
 import flash_attn4
 from flash_attn4 import _build_info
@@ -53,14 +54,6 @@ def dense_alibi(q, k, v, slopes, causal=False, window=(-1, -1)):
 def alibi_slopes(heads: int) -> torch.Tensor:
     """The ALiBi paper's geometric slopes 2^(-8 h / heads), h = 1..heads."""
     return 2.0 ** (-8.0 * torch.arange(1, heads + 1) / heads)
-
-
-def _check(name, ours, truth, low, dtype):
-    live = ~torch.isinf(truth)
-    o, t, lp = ours.double()[live], truth.double()[live], low.double()[live]
-    floor = (t.to(dtype).double() - t).abs().max().item() + 1e-4
-    err, err_lp = (o - t).abs().max().item(), (lp - t).abs().max().item()
-    assert err <= 2 * err_lp + floor, f"{name}: {err:.3g} > 2 * {err_lp:.3g} + {floor:.3g}"
 
 
 def _poison(numel: int) -> None:

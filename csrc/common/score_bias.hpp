@@ -8,10 +8,9 @@
 
 namespace flash4 {
 
+// The mainloops test kEnabled before touching a bias, so NoBias needs nothing else.
 struct NoBias {
   static constexpr bool kEnabled = false;
-  template <bool kRowsAreQueries, class TS, class TC, class TC0>
-  CUTE_DEVICE void apply(TS&, TC const&, TC0 const&, int, int) const {}
 };
 
 // The logit of query i and key j gains -slope * |i + seqlen_k - seqlen_q - j| (bottom-right aligned, as the

@@ -29,14 +29,6 @@ __device__ __forceinline__ float allreduce_max(float x) {
 // Per-row offsets of a score tile: its true scores are s(r, c) + off[r] (a score bias split into a part added
 // to the elements and a part per row, common/score_bias.hpp). NoRowOffset: none, at no cost.
 struct NoRowOffset {};
-template <class Off>
-__device__ __forceinline__ float add_row_offset(float x, Off const& off, int r) {
-  if constexpr (std::is_same_v<Off, NoRowOffset>) {
-    return x;
-  } else {
-    return x + off[r];
-  }
-}
 
 template <int kThreadsPerRow>
 __device__ __forceinline__ float allreduce_sum(float x) {
