@@ -190,7 +190,7 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
          const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k, const OptTensor& seqused_q,
          const OptTensor& seqused_k, int64_t max_seqlen_q, int64_t max_seqlen_k, int64_t kernel_arch,
          const OptTensor& block_kv_count, const OptTensor& block_kv_index, const OptTensor& block_full_count,
-         const OptTensor& block_full_index, const OptTensor& alibi_slopes) {
+         const OptTensor& block_full_index, const OptTensor& alibi_slopes, const OptTensor& sinks) {
   TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda() && out.is_cuda() && lse.is_cuda(),
               "flash_attn4: all tensors must be on a CUDA device");
   TORCH_CHECK(k.device() == q.device() && v.device() == q.device() && out.device() == q.device() &&
@@ -237,6 +237,13 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
   const bool sparse = set_block_sparse(p.block_sparse, block_kv_count, block_kv_index, block_full_count,
                                        block_full_index, o, nheads_q, q, /*transposed=*/false);
   const bool alibi = set_alibi(p, alibi_slopes, o, nheads_q, q, softmax_scale);
+  if (sinks.has_value()) {
+    TORCH_CHECK(kernel_arch == 90, "flash_attn4: only the sm90 forward kernels take sinks");
+    TORCH_CHECK(sinks->is_cuda() && sinks->device() == q.device() && sinks->scalar_type() == at::kFloat &&
+                    sinks->dim() == 1 && sinks->numel() == nheads_q && sinks->is_contiguous(),
+                "flash_attn4: sinks must be a contiguous float32 (" + str(nheads_q) + ",) tensor on q's device");
+    p.sinks = sinks->data_ptr<float>();
+  }
   const flash4::FwdKernelEntry* entry =
       flash4::find_fwd_kernel(int(kernel_arch), kdtype, int(head_dim), o.causal, o.local, sparse, alibi);
   TORCH_CHECK(entry != nullptr, "flash_attn4: no compiled " + std::string(sparse ? "block-sparse " : "") +
@@ -417,7 +424,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("max_seqlen_q") = 0, py::arg("max_seqlen_k") = 0, py::arg("kernel_arch") = 0,
         py::arg("block_kv_count") = py::none(), py::arg("block_kv_index") = py::none(),
         py::arg("block_full_count") = py::none(), py::arg("block_full_index") = py::none(),
-        py::arg("alibi_slopes") = py::none());
+        py::arg("alibi_slopes") = py::none(), py::arg("sinks") = py::none());
   m.def("bwd", &bwd, "Attention backward into preallocated dq/dk/dv", py::arg("dout"), py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
         py::arg("softmax_scale"), py::arg("causal"), py::arg("deterministic") = false, py::arg("dlse") = py::none(),

@@ -172,6 +172,7 @@ def fwd_into(
     varlen: Optional[dict] = None,
     blocks: Optional[dict] = None,
     alibi_slopes: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
 ) -> None:
     """Run the compiled forward kernel, writing `out` and `lse`.
 
@@ -186,6 +187,7 @@ def fwd_into(
         varlen: cu_seqlens_q/k, seqused_q/k, max_seqlen_q/k for `_C.fwd`.
         blocks: a block mask's lists (block_kv_count, ...) for `_C.fwd`'s block-sparse kernels.
         alibi_slopes: fp32 (nheads_q,) or (batch, nheads_q) for the ALiBi kernels (no softcap).
+        sinks: (nheads_q,) logits the sm90 kernels fold into out and lse (apply_sink).
     """
     ext, why = _build_info.load_extension()
     if ext is None:
@@ -217,6 +219,7 @@ def fwd_into(
         **_kernel_options(plan, softcap, varlen),
         **(blocks or {}),
         **_alibi_arg(alibi_slopes),
+        **({} if sinks is None else {"sinks": sinks.to(torch.float32).contiguous()}),
     )
     if out_k is not out:
         out.copy_(out_k[..., :d])
@@ -464,4 +467,4 @@ fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 # The packed-batch ops live beside these (registered on import, as these are).
-from flash_attn4 import _ops_alibi, _ops_kvcache, _ops_sparse, _ops_varlen  # noqa: E402, F401
+from flash_attn4 import _ops_alibi, _ops_kvcache, _ops_sinks, _ops_sparse, _ops_varlen  # noqa: E402, F401

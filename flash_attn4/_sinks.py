@@ -47,14 +47,11 @@ class _SinkMerge(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, out, lse, sinks, head_dim):
-        shape = [1] * lse.dim()
-        shape[head_dim] = -1
-        w = torch.sigmoid(lse - sinks.to(lse.dtype).view(shape))  # lse's layout
+        new_out, new_lse, w = merge(out, lse, sinks, head_dim)
         ctx.save_for_backward(out, w)
         ctx.head_dim, ctx.sink_dtype = head_dim, sinks.dtype
         ctx.set_materialize_grads(False)
-        new_lse = torch.logaddexp(lse, sinks.to(lse.dtype).view(shape))
-        return _scaled_rows(out, _rows_of(w, head_dim)), new_lse
+        return new_out, new_lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
@@ -74,6 +71,25 @@ class _SinkMerge(torch.autograd.Function):
         d_sinks = d_sink_rows.sum(dim=dims).to(ctx.sink_dtype)
         d_out = None if dout is None else _scaled_rows(dout, _rows_of(w, hd))
         return d_out, d_lse, d_sinks, None
+
+
+def merge(out: Tensor, lse: Tensor, sinks: Tensor, head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(out * w, logaddexp(lse, sink), w) with w = sigmoid(lse - sink) in lse's layout; no autograd."""
+    shape = [1] * lse.dim()
+    shape[head_dim] = -1
+    sink = sinks.to(lse.dtype).view(shape)
+    w = torch.sigmoid(lse - sink)
+    return _scaled_rows(out, _rows_of(w, head_dim)), torch.logaddexp(lse, sink), w
+
+
+def sinks_grad(dout: Tensor | None, dlse: Tensor | None, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
+    """d sinks of attention whose out (b, s, h, d) and lse (b, h, s) already include the sinks:
+    -sum over rows of exp(sink - lse) (D - dlse), D = rowsum(dout * out) (an extra logit's softmax weight)."""
+    p_sink = torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - lse)
+    g = torch.zeros_like(lse) if dout is None else (dout * out).sum(dim=-1, dtype=lse.dtype).transpose(1, 2)
+    if dlse is not None:
+        g = g - dlse
+    return -(p_sink * g).sum(dim=(0, 2)).to(sinks.dtype)
 
 
 def _rows_of(w: Tensor, head_dim: int) -> Tensor:

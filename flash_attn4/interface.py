@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flash_attn4 import _ops, checks, fp8  # (importing _ops registers torch.ops.flash_attn4.*)
+from flash_attn4 import _ops, _ops_sinks, checks, fp8  # (importing _ops registers torch.ops.flash_attn4.*)
 from flash_attn4._sinks import _validate_sinks, _with_sinks
 
 _CUDA_DTYPES = (torch.float16, torch.bfloat16)
@@ -313,6 +313,12 @@ def attn(
     elif block_mask is not None or alibi_slopes is not None or dropout_p > 0:
         out, lse = _general(q, k, v, block_mask, alibi_slopes, dropout_p, softmax_scale, causal, left, right,
                             softcap)  # fmt: skip
+    elif sinks is not None and _ops_sinks.kernel_plan(q, k, v, causal, left, right, num_splits) is not None:
+        # The sm90 kernels fold the sinks into out and lse themselves.
+        out, lse = torch.ops.flash_attn4.fwd_sinks(
+            q, k, v, sinks, softmax_scale, causal, left, right, softcap, deterministic
+        )
+        return (out, lse) if return_lse else out
     else:
         fwd = _ops.fwd_impl if _ops.eager_direct(q, k, v) else torch.ops.flash_attn4.fwd
         out, lse = fwd(q, k, v, softmax_scale, causal, left, right, softcap, deterministic, num_splits)

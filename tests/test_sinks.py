@@ -157,3 +157,23 @@ def test_sinks_on_the_kernels(causal, sq):
         floor = (t.to(o.dtype).double() - t).abs().max().item() + 1e-4
         err, err_lp = (o.double() - t).abs().max().item(), (low.double() - t).abs().max().item()
         assert err <= 2 * err_lp + floor, f"{name}: {err:.3g} > 2 * {err_lp:.3g} + {floor:.3g}"
+
+
+@pytest.mark.parametrize("causal,window,softcap", [(False, (-1, -1), 0.0), (True, (-1, -1), 3.0),
+                                                   (False, (5, 3), 0.0)])  # fmt: skip
+def test_fwd_sinks_op_matches_dense_reference_and_opcheck(causal, window, softcap):
+    """flash_attn4::fwd_sinks, the op attn takes where the sm90 kernels fold the sinks in: on the CPU its
+    reference path, and its backward (flash_attn4::bwd on the sinked out and lse, plus d sinks from D), the
+    same on every path, against the dense fp64 reference; and torch.library.opcheck."""
+    q, k, v, sinks = _inputs()
+    left, right = window
+    ours = torch.ops.flash_attn4.fwd_sinks(q, k, v, sinks, 0.25, causal, left, right, softcap, False)
+    want = dense_with_sinks(q, k, v, sinks, causal=causal, window=window, softcap=softcap)
+    torch.testing.assert_close(ours, want, atol=1e-10, rtol=1e-10)
+    g_out, g_lse = torch.randn_like(want[0]), torch.randn_like(want[1])
+    for a, b in zip(
+        _grads(ours, (q, k, v, sinks), g_out, g_lse), _grads(want, (q, k, v, sinks), g_out, g_lse)
+    ):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
+    torch.library.opcheck(torch.ops.flash_attn4.fwd_sinks.default,
+                          (q, k, v, sinks, 0.25, causal, left, right, softcap, False))  # fmt: skip

@@ -186,4 +186,25 @@ struct OnlineSoftmax {
   }
 };
 
+// Attention sinks on a finished tile: each row's softmax denominator gains exp(sink), a logit with no value
+// behind it. With the row's normalized output o and natural-log lse: o *= sigmoid(lse - sink) and
+// lse = logaddexp(lse, sink); a row that saw no key (lse = -inf) keeps o = 0 and gets lse = sink. The same
+// merge flash_attn4._sinks applies after the fact, here in fp32 before the output is rounded.
+template <class TensorO, class Lse>
+__device__ __forceinline__ void apply_sink(TensorO& o, Lse& lse, float sink) {
+#pragma unroll
+  for (int r = 0; r < int(cute::size<0>(o)); ++r) {
+    float w = 0.f, merged = sink;
+    if (lse[r] != -INFINITY) {
+      const float d = sink - lse[r];  // w = 1 / (1 + e^d), merged = max + log1p(e^-|d|)
+      const float e = __expf(-fabsf(d));
+      w = d > 0.f ? e / (1.f + e) : 1.f / (1.f + e);
+      merged = fmaxf(sink, lse[r]) + log1pf(e);
+    }
+#pragma unroll
+    for (int c = 0; c < cute::size<1>(o); ++c) o(r, c) *= w;
+    lse[r] = merged;
+  }
+}
+
 }  // namespace flash4

@@ -65,6 +65,7 @@ struct FwdPersistentKernelSm90 {
     int num_m_blocks;  // query tiles per (head, batch): the launch order's block extent
     int num_tiles;
     unsigned long long* trace;
+    const float* sinks;  // (nheads_q,) or null (FwdParams::sinks)
   };
 
   static int num_m_blocks(FwdParams const& p) { return (p.seqlen_q + kBlockM - 1) / kBlockM; }
@@ -75,7 +76,7 @@ struct FwdPersistentKernelSm90 {
     const int tail = FwdKernelSm90<Traits, kCausal, kLocal, kSoftcap>::tail_blocks(p);
     const TileOrder order = TileOrder::make<Traits::kHeadDim>(num_m_blocks(p), p.nheads_q, p.batch, tail);
     return {Mainloop::to_params(p), Epilogue::to_params(p), p.lse_scale(), order, num_m_blocks(p),
-            num_tiles(p), p.trace};
+            num_tiles(p), p.trace, p.sinks};
   }
 
   static dim3 grid(FwdParams const& p) { return dim3(unsigned(persistent_ctas(num_tiles(p), p.num_sms)), 1, 1); }
@@ -191,6 +192,10 @@ struct FwdPersistentKernelSm90 {
       } else {
         clear(tOrO);  // no key visible to any row of this tile: out = 0, lse = -inf
         softmax.finalize(params.lse_scale, lse);
+      }
+      if (params.sinks != nullptr) {
+        Tensor tOrO_rc = make_tensor(tOrO.data(), acc_rowcol_layout(tOrO.layout()));
+        apply_sink(tOrO_rc, lse, params.sinks[t.bidh]);
       }
       if (thread_idx == 0) trace.stamp(TraceSlot::kMmaDone);
       if (thread_idx == 128) trace.stamp(TraceSlot::kWg1MmaDone);

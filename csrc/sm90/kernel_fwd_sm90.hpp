@@ -43,6 +43,7 @@ struct FwdKernelSm90 {
     TileOrder order;     // launch order of masked grids (tile_order.hpp)
     int prefetch_ahead;  // see FwdParams::num_sms; 0 = off
     unsigned long long* trace;
+    const float* sinks;  // (nheads_q,) or null (FwdParams::sinks)
   };
 
   // Sliding windows: the query tiles whose window the sequence start cuts see fewer keys than the rest; they
@@ -62,7 +63,7 @@ struct FwdKernelSm90 {
     const TileOrder order =
         kMasked ? TileOrder::make<Traits::kHeadDim>(int(g.x), int(g.y), int(g.z), tail_blocks(p)) : TileOrder{};
     return {Mainloop::to_params(p), Epilogue::to_params(p), p.lse_scale(), order,
-            p.num_sms, p.trace};
+            p.num_sms, p.trace, p.sinks};
   }
 
   static dim3 grid(FwdParams const& p) {
@@ -154,6 +155,10 @@ struct FwdKernelSm90 {
       } else {
         clear(tOrO);  // no key visible to any row of this tile: out = 0, lse = -inf
         softmax.finalize(params.lse_scale, lse);
+      }
+      if (params.sinks != nullptr) {
+        Tensor tOrO_rc = make_tensor(tOrO.data(), acc_rowcol_layout(tOrO.layout()));
+        apply_sink(tOrO_rc, lse, params.sinks[bidh]);
       }
       if (thread_idx == 0) trace.stamp(TraceSlot::kMmaDone);
       if (thread_idx == 128) trace.stamp(TraceSlot::kWg1MmaDone);
