@@ -283,7 +283,9 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
 // (packed batches: each sequence from a multiple of 128, see flash4::padded_row_offset).
 // deterministic: key blocks add into dq in a fixed order (bitwise-reproducible dq; dk and dv always are).
 // dlse: gradient of lse (return_lse), or None for zero. Options as for fwd.
-void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+// Returns the pre-pass's D - dlse (D = rowsum(dout * out)), fp32 (slices, padded rows) as laid out above: the
+// sinks' gradient is a weighted sum of it, which saves the caller a pass over out and dout.
+at::Tensor bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
          const at::Tensor& out, const at::Tensor& lse, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
          double softmax_scale, bool causal, bool deterministic, const OptTensor& dlse, int64_t window_left,
          int64_t window_right, double softcap, const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k,
@@ -398,6 +400,7 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
   p.dtype = kdtype;
   set_device_fields(p, q);
   entry->launch(p, at::cuda::getCurrentCUDAStream().stream());
+  return dpsum;
 }
 
 std::vector<std::string> compiled_kernels() {

@@ -244,8 +244,10 @@ def bwd_into(
     varlen: Optional[dict] = None,
     blocks: Optional[dict] = None,
     alibi_slopes: Optional[Tensor] = None,
-) -> None:
-    """Run the compiled backward kernel, writing dq, dk and dv.
+) -> Tensor:
+    """Run the compiled backward kernel, writing dq, dk and dv. Returns the kernel's D - dlse (D = rowsum(dout
+    * out)), float32: fixed-length (batch * nheads_q, rows) with rows >= seqlen_q (the first seqlen_q are the
+    sequence's), packed batches (nheads_q, rows) with each sequence from a multiple of 128.
 
     Args:
         dout, out: (batch, seqlen_q, nheads_q, headdim) like q; lse: the forward's (batch, nheads_q,
@@ -277,7 +279,7 @@ def bwd_into(
         dq_k, dk_k, dv_k = (t.new_zeros(*t.shape) for t in (q, k, v))
     else:
         dq_k, dk_k, dv_k = dq, dk, dv
-    ext.bwd(
+    dpsum = ext.bwd(
         _tma_ready(dout),
         _tma_ready(q),
         _tma_ready(k),
@@ -299,6 +301,7 @@ def bwd_into(
         dq.copy_(dq_k[..., :d])
         dk.copy_(dk_k[..., :d])
         dv.copy_(dv_k[..., :d])
+    return dpsum
 
 
 def _reference_fwd(

@@ -6,8 +6,9 @@
 The kernels fold each head's sink into its finished rows (csrc/common/softmax.hpp, apply_sink), so no pass
 over out follows them. The backward needs nothing new for q, k, v: with the sinked out and lse, P and D are
 the sinked attention's, which `flash_attn4::bwd` differentiates (through lse too); d sinks is
--sum over rows of exp(sink - lse) (D - dlse) with D = rowsum(dout * out) (`_sinks.sinks_grad`). Without an
-sm90 kernel for the call the op runs the reference and the same merge (`_sinks.merge`).
+-sum over rows of exp(sink - lse) (D - dlse) with D = rowsum(dout * out), where the backward kernel's pre-pass
+hands back D - dlse (`flash_attn4::bwd_sinks`). Without an sm90 kernel for the call the ops run the reference
+and the same merge (`_sinks.merge`, `_sinks.sinks_grad`).
 
 No `from __future__ import annotations` here: custom_op reads the schema from real annotations.
 """
@@ -73,16 +74,50 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
 
 
+@torch.library.custom_op("flash_attn4::bwd_sinks", mutates_args=())
+def bwd_sinks(
+    dout: Tensor,
+    dlse: Optional[Tensor],
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    sinks: Tensor,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    deterministic: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Backward of fwd_sinks: (dq, dk, dv, d sinks). On the kernel, d sinks comes from the D - dlse the
+    backward's pre-pass computes anyway (no pass of our own over out and dout)."""
+    plan = kernel_plan(q, k, v, causal, window_left, window_right)
+    if plan is None:
+        d_sinks = _sinks.sinks_grad(dout, dlse, out, lse, sinks)
+        # The reference backward takes P from the given lse and D from the given out only in its compute
+        # dtype (else it recomputes them, without the sinks): hand it an exact out.
+        grads = _ops.bwd(dout, dlse, q, k, v, out.to(lse.dtype), lse, softmax_scale, causal, window_left,
+                         window_right, softcap, deterministic)  # fmt: skip
+        return (*grads, d_sinks)
+    dq, dk, dv = (_ops._grad_like(t) for t in (q, k, v))
+    args = (softmax_scale, plan, deterministic, dlse)
+    d_minus_dlse = _ops.bwd_into(dout, q, k, v, out, lse, dq, dk, dv, *args, softcap=softcap)
+    b, sq, hq, _ = q.shape
+    g = d_minus_dlse.view(b, hq, -1)[:, :, :sq]
+    return dq, dk, dv, _sinks.sinks_grad_from(g, lse, sinks)
+
+
+@bwd_sinks.register_fake
+def _bwd_fake(dout, dlse, q, k, v, out, lse, sinks, *args):
+    return _ops._grad_like(q), _ops._grad_like(k), _ops._grad_like(v), torch.empty_like(sinks)
+
+
 def _backward(ctx, dout: Optional[Tensor], dlse: Optional[Tensor]):
     q, k, v, sinks, out, lse = ctx.saved_tensors
-    scale, causal, left, right, softcap, deterministic = ctx.args
-    d_sinks = _sinks.sinks_grad(dout, dlse, out, lse, sinks)
     dout = torch.zeros_like(out) if dout is None else dout
-    # The reference backward takes P from the given lse and D from the given out only in its compute dtype
-    # (else it recomputes them, without the sinks): hand it an exact out there.
-    kernel = kernel_plan(q, k, v, causal, left, right) is not None
-    out_b = out if kernel else out.to(lse.dtype)
-    dq, dk, dv = _ops.bwd(dout, dlse, q, k, v, out_b, lse, scale, causal, left, right, softcap, deterministic)
+    dq, dk, dv, d_sinks = bwd_sinks(dout, dlse, q, k, v, out, lse, sinks, *ctx.args)
     return dq, dk, dv, d_sinks, None, None, None, None, None, None
 
 

@@ -85,10 +85,15 @@ def merge(out: Tensor, lse: Tensor, sinks: Tensor, head_dim: int) -> tuple[Tenso
 def sinks_grad(dout: Tensor | None, dlse: Tensor | None, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
     """d sinks of attention whose out (b, s, h, d) and lse (b, h, s) already include the sinks:
     -sum over rows of exp(sink - lse) (D - dlse), D = rowsum(dout * out) (an extra logit's softmax weight)."""
-    p_sink = torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - lse)
     g = torch.zeros_like(lse) if dout is None else (dout * out).sum(dim=-1, dtype=lse.dtype).transpose(1, 2)
     if dlse is not None:
         g = g - dlse
+    return sinks_grad_from(g, lse, sinks)
+
+
+def sinks_grad_from(g: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
+    """d sinks from g = D - dlse (b, h, s), any strides, and the sinked lse (b, h, s)."""
+    p_sink = torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - lse)
     return -(p_sink * g).sum(dim=(0, 2)).to(sinks.dtype)
 
 

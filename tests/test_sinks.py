@@ -129,8 +129,8 @@ def _gpu_skip() -> str | None:
 @pytest.mark.gpu
 @pytest.mark.skipif(_gpu_skip() is not None, reason=f"no kernels: {_gpu_skip()}")
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("sq", [1, 300])
-def test_sinks_on_the_kernels(causal, sq):
+@pytest.mark.parametrize("sq,use_lse", [(1, True), (300, True), (300, False)])
+def test_sinks_on_the_kernels(causal, sq, use_lse):
     """bf16 on the CUDA kernels (sq = 1: the decode kernel) against the fp64 dense reference, by the GPU
     tests' rule: error <= 2 x the error of the same math in bf16 + a rounding floor; out, lse, gradients."""
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -143,7 +143,8 @@ def test_sinks_on_the_kernels(causal, sq):
     def run(fn, dtype):
         leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)] + [sinks.clone().requires_grad_()]
         out, lse = fn(*leaves)
-        (out.float() * g_out).sum().add_((lse.float() * g_lse).sum()).backward()
+        loss = (out.float() * g_out).sum()
+        (loss + (lse.float() * g_lse).sum() if use_lse else loss).backward()  # else lse gets no gradient
         return [out, lse] + [t.grad for t in leaves]
 
     def ours_fn(q, k, v, s):
@@ -163,8 +164,8 @@ def test_sinks_on_the_kernels(causal, sq):
                                                    (False, (5, 3), 0.0)])  # fmt: skip
 def test_fwd_sinks_op_matches_dense_reference_and_opcheck(causal, window, softcap):
     """flash_attn4::fwd_sinks, the op attn takes where the sm90 kernels fold the sinks in: on the CPU its
-    reference path, and its backward (flash_attn4::bwd on the sinked out and lse, plus d sinks from D), the
-    same on every path, against the dense fp64 reference; and torch.library.opcheck."""
+    reference path, and its backward (flash_attn4::bwd_sinks: the backward on the sinked out and lse, plus
+    d sinks from D), the same on every path, against the dense fp64 reference; and torch.library.opcheck."""
     q, k, v, sinks = _inputs()
     left, right = window
     ours = torch.ops.flash_attn4.fwd_sinks(q, k, v, sinks, 0.25, causal, left, right, softcap, False)
@@ -177,3 +178,8 @@ def test_fwd_sinks_op_matches_dense_reference_and_opcheck(causal, window, softca
         torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
     torch.library.opcheck(torch.ops.flash_attn4.fwd_sinks.default,
                           (q, k, v, sinks, 0.25, causal, left, right, softcap, False))  # fmt: skip
+    # The backward op itself is not differentiated: plain tensors.
+    q, k, v, sinks, out, lse = (t.detach() for t in (q, k, v, sinks, *ours))
+    for dlse in (None, g_lse):
+        args = (g_out, dlse, q, k, v, out, lse, sinks, 0.25, causal, left, right, softcap, False)
+        torch.library.opcheck(torch.ops.flash_attn4.bwd_sinks.default, args)
