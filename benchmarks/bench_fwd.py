@@ -22,9 +22,11 @@ dout)` on a graph recorded once (retain_graph), so no forward is inside the time
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
+import os
 import re
 import statistics
 import sys
@@ -40,7 +42,10 @@ IMPLS = ["flash_attn4", "fa4_cute", "sdpa_cudnn", "sdpa_flash"]
 # out), the fp8 tensor-core rate in the same run (its FLOPs are its own, 2 * 8192^3).
 FP8_IMPLS = ["flash_attn4_fp8", "flash_attn4", "fa4_cute", "sdpa_cudnn", "fp8_matmul"]
 # Only when asked for: what an option costs beside the plain kernels.
-OPTIONAL_IMPLS = ["flash_attn4_sinks", "flash_attn4_alibi"]
+# flash_attn4_99kb: our kernels under FLASH_ATTN4_SMEM_CAP=101376, the tiles of a 99 KB card (sm86 / 89 /
+# 120); beside flash_attn4 on the Ampere path (FLASH_ATTN4_FORCE_SM80=1 on Hopper) it is what the cap costs.
+OPTIONAL_IMPLS = ["flash_attn4_sinks", "flash_attn4_alibi", "flash_attn4_99kb"]
+SMEM_99KB = "101376"
 HDIMS = [64, 128, 256]
 SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
 TOKENS, WIDTH = 16384, 2048  # batch * seqlen, nheads * hdim
@@ -162,7 +167,6 @@ def make_impl(name: str, q, k, v, causal: bool, bwd: bool = False, deterministic
     here, so no transpose or copy lands inside the timed call. With bwd, fn computes the gradients of one
     recorded forward (made here, under the same context) for a fixed random dout.
     """
-    import contextlib
 
     if name == "fp8_matmul":
         a = torch.randn(MATMUL_N, MATMUL_N, device=q.device).to(torch.float8_e4m3fn)
@@ -182,7 +186,7 @@ def make_impl(name: str, q, k, v, causal: bool, bwd: bool = False, deterministic
             q, k, v, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd
         )
         return (lambda: fwd(q, k, v)), contextlib.nullcontext
-    if name == "flash_attn4":
+    if name in ("flash_attn4", "flash_attn4_99kb"):
         from flash_attn4 import _build_info, attn
 
         ok, why = _build_info.kernel_available(q.device, q.dtype, q.shape[-1])
@@ -190,6 +194,8 @@ def make_impl(name: str, q, k, v, causal: bool, bwd: bool = False, deterministic
             raise RuntimeError(f"kernel unavailable: {why}")
         fwd = lambda q, k, v: attn(q, k, v, causal=causal, deterministic=deterministic)  # noqa: E731
         layout, ctx = (lambda t: t), contextlib.nullcontext
+        if name == "flash_attn4_99kb":  # the binding reads the cap on every call, backward included
+            ctx = lambda: _env("FLASH_ATTN4_SMEM_CAP", SMEM_99KB)  # noqa: E731
     elif name == "flash_attn4_sinks":  # the plain kernels plus GPT-OSS's sinks (their cost beside the above)
         from flash_attn4 import attn
 
@@ -230,7 +236,22 @@ def make_impl(name: str, q, k, v, causal: bool, bwd: bool = False, deterministic
         out = fwd(q, k, v)
         out = out[0] if isinstance(out, tuple) else out  # flash_attn.cute returns (out, lse)
     dout = torch.randn_like(out)
-    return (lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)), contextlib.nullcontext
+    bwd_ctx = ctx if name == "flash_attn4_99kb" else contextlib.nullcontext
+    return (lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)), bwd_ctx
+
+
+@contextlib.contextmanager
+def _env(key: str, value: str):
+    """os.environ[key] = value inside the block (putenv too, so C++ getenv sees it), restored after."""
+    old = os.environ.get(key)
+    os.environ[key] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[key]
+        else:
+            os.environ[key] = old
 
 
 def available_impls(requested: list[str]) -> list[str]:
@@ -238,7 +259,7 @@ def available_impls(requested: list[str]) -> list[str]:
     keep = []
     for name in requested:
         why = ""
-        if name in ("flash_attn4", "flash_attn4_sinks", "flash_attn4_alibi", "flash_attn4_fp8"):
+        if name.startswith("flash_attn4"):
             from flash_attn4 import _build_info
 
             ext, why = _build_info.load_extension()

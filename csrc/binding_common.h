@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <optional>
 #include <string>
 
@@ -71,6 +72,21 @@ inline void check_kernel_arch(const at::Tensor& q, int64_t kernel_arch) {
 // Multiprocessor count of t's device (cached by torch).
 inline int num_sms(const at::Tensor& t) {
   return at::cuda::getDeviceProperties(t.get_device())->multiProcessorCount;
+}
+
+// Shared memory a CTA may opt in to on t's device, lowered by FLASH_ATTN4_SMEM_CAP (bytes) when that is set
+// and smaller: the cap makes the Ampere-path launchers pick the tiles a card with that much would get (e.g.
+// 101376, the 99 KB of sm86 / 89 / 120), so one GPU can test them. Read on every call (a getenv), so that a
+// test can change it.
+inline int smem_per_block(const at::Tensor& t) {
+  const int device = int(at::cuda::getDeviceProperties(t.get_device())->sharedMemPerBlockOptin);
+  const char* cap = std::getenv("FLASH_ATTN4_SMEM_CAP");
+  if (cap == nullptr || *cap == '\0') return device;
+  char* end = nullptr;
+  const long v = std::strtol(cap, &end, 10);
+  TORCH_CHECK(end != cap && *end == '\0' && v > 0,
+              std::string("flash_attn4: FLASH_ATTN4_SMEM_CAP must be a positive number of bytes, got '") + cap + "'");
+  return v < device ? int(v) : device;
 }
 
 }  // namespace flash4::binding

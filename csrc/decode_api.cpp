@@ -146,6 +146,7 @@ int64_t decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
   p.window_left = window_side(window_left, unbounded);
   p.window_right = causal ? 0 : window_side(window_right, unbounded);
   p.num_sms = num_sms(q);
+  p.smem_per_block = smem_per_block(q);
 
   const flash4::DecodeKernelEntry* entry = flash4::find_decode_kernel(p.dtype, int(d), paged);
   TORCH_CHECK(entry != nullptr, "flash_attn4: no compiled decode kernel for head_dim " + str(d) +

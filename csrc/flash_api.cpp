@@ -89,6 +89,7 @@ at::Tensor g_trace;
 template <class P>
 void set_device_fields(P& p, const at::Tensor& q) {
   p.num_sms = num_sms(q);
+  p.smem_per_block = smem_per_block(q);
   p.trace = g_trace.defined() && g_trace.device() == q.device()
                 ? reinterpret_cast<unsigned long long*>(g_trace.data_ptr<int64_t>())
                 : nullptr;

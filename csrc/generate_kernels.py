@@ -38,6 +38,10 @@ FP8_HDIMS = (64, 128, 256)
 # dtype, at these head dims. At 192 and 256 the forward with the bias spilled 8-44 B (ptxas, causal / window /
 # none), so those and the Ampere path run ALiBi on the PyTorch reference.
 ALIBI_ARCHS = (90,)
+# Decode kernels (split-KV, KV caches): head dims whose rows are a whole number of 16-byte vectors that divide
+# the kernel's 128 threads (its cp.async loader, decode/kernel_decode.hpp); 96 and 192 (12 and 24 vectors) do
+# not, so those decode through the forward kernels or the reference.
+DECODE_HDIMS = (64, 128, 256)
 ALIBI_HDIMS = (64, 96, 128)
 
 _CPP_DTYPE = {"bf16": "DType::kBF16", "fp16": "DType::kFP16", "e4m3": "DType::kE4M3"}
@@ -124,26 +128,31 @@ class DecodeKernel:
 
 
 def decode_kernels(dtypes=DTYPES, hdims=HDIMS) -> list[DecodeKernel]:
-    return [DecodeKernel(d, h, paged) for d, h, paged in itertools.product(dtypes, hdims, (False, True))]
+    hs = [h for h in hdims if h in DECODE_HDIMS]
+    return [DecodeKernel(d, h, paged) for d, h, paged in itertools.product(dtypes, hs, (False, True))]
 
 
-def kernels(archs=ARCHS, dtypes=DTYPES, hdims=HDIMS, sparse=True, fp8=True, alibi=True) -> list[Kernel]:
-    """Every (direction, family, dtype, head dim, mask) of the families `archs` (build targets) ask for: each
-    built family has both directions of every mask, so the Python side can take one kernel family for a
-    whole call (flash_attn4/_build_info.py). `sparse` adds the block-sparse kernels of SPARSE_HDIMS, both
-    directions, of each family; `fp8` the e4m3 forwards of FP8_HDIMS where the sm90 family and bf16 are
-    built; `alibi` the ALiBi kernels of the ALIBI_ARCHS families, both directions."""
-    combos = itertools.product(DIRECTIONS, families(archs), dtypes, hdims, MASKS)
+def kernels(
+    archs=ARCHS, dtypes=DTYPES, hdims=HDIMS, sparse=True, fp8=True, alibi=True, fams=None
+) -> list[Kernel]:
+    """Every (direction, family, dtype, head dim, mask) of the families `archs` (build targets) ask for (or
+    `fams`, when given: the families alone, whatever the targets): each built family has both directions of
+    every mask, so the Python side can take one kernel family for a whole call (flash_attn4/_build_info.py).
+    `sparse` adds the block-sparse kernels of SPARSE_HDIMS, both directions, of each family; `fp8` the e4m3
+    forwards of FP8_HDIMS where the sm90 family and bf16 are built; `alibi` the ALiBi kernels of the
+    ALIBI_ARCHS families, both directions."""
+    fams = tuple(fams) if fams is not None else families(archs)
+    combos = itertools.product(DIRECTIONS, fams, dtypes, hdims, MASKS)
     ks = [Kernel(direction, a, d, h, c, lo) for direction, a, d, h, (c, lo) in combos]
     if sparse:
         hs = [h for h in hdims if h in SPARSE_HDIMS]
-        combos = itertools.product(DIRECTIONS, families(archs), dtypes, hs, MASKS)
+        combos = itertools.product(DIRECTIONS, fams, dtypes, hs, MASKS)
         ks += [Kernel(direction, a, d, h, c, lo, sparse=True) for direction, a, d, h, (c, lo) in combos]
     if alibi:
         hs = [h for h in hdims if h in ALIBI_HDIMS]
-        combos = itertools.product(DIRECTIONS, [a for a in families(archs) if a in ALIBI_ARCHS], dtypes, hs, MASKS)
+        combos = itertools.product(DIRECTIONS, [a for a in fams if a in ALIBI_ARCHS], dtypes, hs, MASKS)
         ks += [Kernel(direction, a, d, h, c, lo, alibi=True) for direction, a, d, h, (c, lo) in combos]
-    if fp8 and 90 in families(archs) and "bf16" in dtypes:
+    if fp8 and 90 in fams and "bf16" in dtypes:
         ks += [Kernel("fwd", 90, "e4m3", h, c, lo) for h in hdims if h in FP8_HDIMS for c, lo in MASKS]
     return ks
 

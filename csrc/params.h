@@ -63,6 +63,9 @@ struct SeqMaskParams {
   // after this one starts about when this one ends; this one prefetches that tile's first inputs into L2
   // (0: no prefetch).
   int num_sms = 0;
+  // Shared memory one CTA may take (the device's opt-in maximum, or FLASH_ATTN4_SMEM_CAP when lower): the
+  // Ampere-path launchers pick the tile that fits (tile_size.h; 99 KB on sm86 / 89 / 120). 0: no limit known.
+  int smem_per_block = 0;
   // Per-CTA profiling stamps, written only by builds with -DFLASH4_TRACE (common/trace.hpp); else null.
   unsigned long long* trace = nullptr;
 };

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import platform
 import sys
 import warnings
@@ -109,6 +110,14 @@ def explain_path(shape: tuple[int, ...], dtype: torch.dtype, causal: bool) -> No
         binary = _build_info.binary_for(major, minor)
         print(f"forward and backward: the sm{arch} CUDA kernels on {device}{pad} ({why_arch}; {binary})")
         print("sliding windows, softcap, attn_varlen: on the same kernels")
+        if arch == 80:
+            smem = _build_info.smem_per_block(device)
+            capped = " (FLASH_ATTN4_SMEM_CAP)" if os.environ.get("FLASH_ATTN4_SMEM_CAP") else ""
+            print(f"shared memory a block: {smem} bytes{capped}; each kernel takes its tile of "
+                  "csrc/common/tile_size.h where that fits, else its 99 KB row")  # fmt: skip
+        if not _build_info.decode_fits(device, d):
+            print(f"decoding (query length 1): the forward kernels; the decode kernel at head dim {d} needs "
+                  f"{_build_info.DECODE_WIDE_SMEM} bytes of shared memory a block")  # fmt: skip
     else:
         print(f"forward and backward: the PyTorch reference on {device}, because {why}")
 

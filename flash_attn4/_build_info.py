@@ -2,8 +2,8 @@
 
 `setup.py` writes `flash_attn4/_build_config.py` (git-ignored) next to this file. It defines exactly
 `BUILT`, `REASON`, `ARCHS` (kernel families), `TARGETS` (the GPUs compiled for), `DTYPES`, `HDIMS`,
-`BLOCK_SPARSE_HDIMS`, `FP8_HDIMS`, `ALIBI_HDIMS`, `TORCH_VERSION` and `CUDA_VERSION`. When the file is
-missing (a source checkout that was never built, or an install without CUDA) every query answers
+`BLOCK_SPARSE_HDIMS`, `FP8_HDIMS`, `ALIBI_HDIMS`, `DECODE_HDIMS`, `TORCH_VERSION` and `CUDA_VERSION`. When
+the file is missing (a source checkout that was never built, or an install without CUDA) every query answers
 "not built" and the Python package runs on the PyTorch reference alone.
 """
 
@@ -38,6 +38,10 @@ BLOCK_SPARSE_HDIMS: tuple[int, ...] = tuple(sorted(int(h) for h in getattr(_cfg,
 FP8_HDIMS: tuple[int, ...] = tuple(sorted(int(h) for h in getattr(_cfg, "FP8_HDIMS", ())))
 # Head dims with ALiBi kernels (the sm90 family, both directions; csrc/generate_kernels.py, ALIBI_ARCHS).
 ALIBI_HDIMS: tuple[int, ...] = tuple(sorted(int(h) for h in getattr(_cfg, "ALIBI_HDIMS", ())))
+# Head dims with decode kernels (csrc/generate_kernels.py, DECODE_HDIMS: 64, 128, 256 of those built).
+DECODE_HDIMS: tuple[int, ...] = tuple(
+    sorted(int(h) for h in getattr(_cfg, "DECODE_HDIMS", [h for h in HDIMS if h in (64, 128, 256)]))
+)
 TORCH_VERSION: str = str(getattr(_cfg, "TORCH_VERSION", ""))
 CUDA_VERSION: str = str(getattr(_cfg, "CUDA_VERSION", ""))
 
@@ -73,6 +77,35 @@ def load_extension() -> tuple[ModuleType | None, str]:
 def is_built() -> bool:
     """True when the CUDA extension was compiled and `flash_attn4._C` imports."""
     return load_extension()[0] is not None
+
+
+# Shared memory one decode CTA takes above head dim 128 (csrc/common/tile_size.h, decode_tile: two 64-key
+# stages of K and V, 136 KB, plus a paged cache's 4 KB page ring). Head dims up to 128 fit 99 KB.
+DECODE_WIDE_SMEM = 143360
+
+
+def smem_per_block(device: torch.device) -> int:
+    """Shared memory a CTA may take on `device` (the opt-in maximum), or FLASH_ATTN4_SMEM_CAP (bytes) when
+    that is set and smaller: the Ampere-path kernels take the tiles that fit it (csrc/common/tile_size.h;
+    the binding reads the same variable), so one GPU can run them as a 99 KB card (sm86 / 89 / 120) would."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    have = _smem_optin(index)
+    cap = os.environ.get("FLASH_ATTN4_SMEM_CAP", "")
+    if not cap:
+        return have
+    if not cap.isdigit() or int(cap) <= 0:
+        raise ValueError(f"FLASH_ATTN4_SMEM_CAP must be a positive number of bytes, e.g. 101376; got {cap!r}")
+    return min(have, int(cap))
+
+
+@functools.cache
+def _smem_optin(index: int) -> int:
+    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+
+
+def decode_fits(device: torch.device, head_dim: int) -> bool:
+    """Whether the decode kernel of this head dim fits `device`'s shared memory (smem_per_block)."""
+    return head_dim <= 128 or smem_per_block(device) >= DECODE_WIDE_SMEM
 
 
 def padded_hdim(hdim: int) -> int | None:

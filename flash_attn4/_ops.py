@@ -372,7 +372,7 @@ def fwd_impl(
     out = q.new_empty(b, sq, hq, d)
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
 
-    if _ops_kvcache.use_decode(q.shape[1], q.shape[2], k.shape[2], q.shape[3], num_splits):
+    if _ops_kvcache.use_decode(q.shape[1], q.shape[2], k.shape[2], q.shape[3], num_splits, q.device):
         _ops_kvcache.decode_into(
             q, _tma_ready(k), _tma_ready(v), out, lse, softmax_scale, plan.causal, plan.window_left,
             plan.window_right, softcap, num_splits,

@@ -34,18 +34,25 @@ def decode_available(q: Tensor) -> tuple[bool, str]:
     arch, why = _build_info.kernel_available(q.device, q.dtype, q.shape[-1])
     if arch is None:
         return False, why
-    if q.shape[-1] not in _build_info.HDIMS:
-        return False, f"no decode kernel for head dim {q.shape[-1]} (built: {_build_info.HDIMS})"
+    if q.shape[-1] not in _build_info.DECODE_HDIMS:
+        return False, f"no decode kernel for head dim {q.shape[-1]} (built: {_build_info.DECODE_HDIMS})"
+    if not _build_info.decode_fits(q.device, q.shape[-1]):
+        return False, (
+            f"the decode kernel at head dim {q.shape[-1]} needs {_build_info.DECODE_WIDE_SMEM} bytes of "
+            f"shared memory a block and {q.device} allows {_build_info.smem_per_block(q.device)}"
+        )
     return True, ""
 
 
-def use_decode(seqlen_q: int, nheads_q: int, nheads_kv: int, head_dim: int, num_splits: int) -> bool:
+def use_decode(
+    seqlen_q: int, nheads_q: int, nheads_kv: int, head_dim: int, num_splits: int, device: torch.device
+) -> bool:
     """`attn`'s and `attn_varlen`'s choice, for a call the kernels serve (`_kernel_plan` said so): the decode
     kernel for short query blocks (seqlen_q: the longest one), or whenever a split count is forced, if its
-    exact head dim is built."""
+    exact head dim is built and fits the device's shared memory (else the forward kernels serve it)."""
     rows = seqlen_q * (nheads_q // nheads_kv)
     short = seqlen_q > 0 and (rows <= DECODE_MAX_ROWS or num_splits > 1)
-    return short and head_dim in _build_info.HDIMS
+    return short and head_dim in _build_info.DECODE_HDIMS and _build_info.decode_fits(device, head_dim)
 
 
 def decode_into(

@@ -28,7 +28,7 @@ def kernel_plan(q: Tensor, k: Tensor, v: Tensor, causal: bool, window_left: int,
     plan, _ = _ops._kernel_plan(q, q.shape[1], k.shape[1], causal, window_left, window_right, v.shape[-1])
     if plan is None or plan.arch != 90:
         return None
-    if _ops_kvcache.use_decode(q.shape[1], q.shape[2], k.shape[2], q.shape[3], num_splits):
+    if _ops_kvcache.use_decode(q.shape[1], q.shape[2], k.shape[2], q.shape[3], num_splits, q.device):
         return None
     return plan
 

@@ -72,7 +72,7 @@ def fwd_varlen(
     """
     plan, why = _varlen_plan(q, k, max_seqlen_q, max_seqlen_k, causal, window_left, window_right, v.shape[-1])
     if plan is not None and _ops_kvcache.use_decode(
-        max_seqlen_q, q.shape[1], k.shape[1], q.shape[2], num_splits
+        max_seqlen_q, q.shape[1], k.shape[1], q.shape[2], num_splits, q.device
     ):
         return _decode_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                               softmax_scale, plan, softcap, num_splits)  # fmt: skip

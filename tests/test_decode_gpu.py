@@ -21,15 +21,16 @@ DEVICE = torch.device("cuda")
 def _skip_reason() -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA device"
-    if not _build_info.HDIMS:
-        return "kernels not built"
-    q = torch.empty(1, 1, 1, _build_info.HDIMS[0], dtype=torch.bfloat16, device=DEVICE)
+    if not _build_info.DECODE_HDIMS:
+        return f"no decode kernel built (head dims {_build_info.HDIMS})"
+    q = torch.empty(1, 1, 1, _build_info.DECODE_HDIMS[0], dtype=torch.bfloat16, device=DEVICE)
     ok, why = _ops_kvcache.decode_available(q)
     return None if ok else why
 
 
 pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
-HDIM = 128 if 128 in _build_info.HDIMS or not _build_info.HDIMS else _build_info.HDIMS[0]
+_BUILT = _build_info.DECODE_HDIMS
+HDIM = 128 if 128 in _BUILT or not _BUILT else _BUILT[0]
 
 
 def _check(out, lse, ref_out, ref_lse, lp_out):

@@ -240,3 +240,30 @@ def test_fp8_kernels_are_sm90_forwards_beside_bf16(tmp_path):
     sources = generate_kernels.generate(tmp_path, ks)
     assert not [p for p in sources if p.name.startswith("decode_e4m3")]
     assert "DType::kE4M3" in (tmp_path / "kernel_table.cpp").read_text()
+
+
+def test_families_override_and_decode_head_dims(setup_module, monkeypatch):
+    """FLASH_ATTN4_FAMILIES picks the kernel families whatever the targets (the Ampere path alone as sm_90a
+    SASS); decode kernels only at head dims whose 16-byte row vectors divide the loader's 128 threads."""
+    sys.path.insert(0, str(ROOT / "csrc"))
+    try:
+        import generate_kernels
+    finally:
+        sys.path.remove(str(ROOT / "csrc"))
+    monkeypatch.setenv("FLASH_ATTN4_FAMILIES", "80")
+    assert setup_module.kernel_families([90]) == (80,)
+    ks = generate_kernels.kernels(
+        archs=[90], dtypes=["bf16"], hdims=[128], fams=setup_module.kernel_families([90])
+    )
+    assert {k.arch for k in ks} == {80}
+    for bad in ("90", "70", "x"):  # 90 without the sm_90a target, an unknown family, not a number
+        monkeypatch.setenv("FLASH_ATTN4_FAMILIES", bad)
+        with pytest.raises(SystemExit, match="FLASH_ATTN4_FAMILIES"):
+            setup_module.kernel_families([80])
+    monkeypatch.delenv("FLASH_ATTN4_FAMILIES")
+    assert setup_module.kernel_families([80, 90]) == (80, 90)
+    assert all(128 % (h // 8) == 0 for h in generate_kernels.DECODE_HDIMS)
+    hdims = [k.hdim for k in generate_kernels.decode_kernels(["bf16"], generate_kernels.HDIMS)]
+    assert (
+        sorted(set(hdims)) == sorted(generate_kernels.DECODE_HDIMS) and 96 not in hdims and 192 not in hdims
+    )

@@ -50,18 +50,24 @@ constexpr FwdTileSm90 fwd_tile_sm90_fp8(int head_dim, bool masked) {
 //     runs 0.98-1.08x FA2 (seqlen 2k-8k, with two K / V buffers).
 //   hdim > 128: 128 x 64, 8 warps (one 16-row slab a warp, O 128 registers at hdim 256); passes the GPU tests,
 //     speed not compared yet.
-// Shared memory (Q + kStages x (K + V)): hdim 128 at 128 x 32 is 64 KB, hdim 256 at 128 x 64 is 128 KB (one
-// CTA on A100 and H100; too large for sm86/89's 99 KB, which will need its own row of this table).
+// Shared memory (Q + kStages x (K + V)): hdim 128 at 128 x 32 is 64 KB, hdim 192 at 128 x 64 96 KB, hdim 256
+// at 128 x 64 128 KB (A100 164 KB and H100 227 KB a CTA). `small_smem`: the row a card with 99 KB a CTA
+// (sm86 / 89 / 120) gets; only hdim 256 differs: 64 x 64 over 4 warps (Q 32 + K / V 64 = 96 KB), the same
+// 16-row slab and registers per warp, half the query rows per K / V load.
 struct FwdTileSm80 {
   int block_m;
   int block_n;
   int warps;
 };
 
-constexpr FwdTileSm80 fwd_tile_sm80(int head_dim) {
+// The shared memory a CTA may take on sm86 / 89 / 120 (cudaDevAttrMaxSharedMemoryPerBlockOptin, 99 KB).
+constexpr int kSmemConsumer = 101376;
+
+constexpr FwdTileSm80 fwd_tile_sm80(int head_dim, bool small_smem = false) {
   return head_dim <= 64    ? FwdTileSm80{128, 64, 4}
          : head_dim <= 128 ? FwdTileSm80{128, 32, 4}
-                           : FwdTileSm80{128, 64, 8};
+         : head_dim > 192 && small_smem ? FwdTileSm80{64, 64, 4}
+                                        : FwdTileSm80{128, 64, 8};
 }
 
 // sm90 backward: kBlockN keys per CTA (dK and dV live in registers for the CTA's life), kBlockM queries per
@@ -82,32 +88,51 @@ constexpr BwdTileSm90 bwd_tile_sm90(int head_dim) {
   return head_dim <= 128 ? BwdTileSm90{64, 128, 2, false} : BwdTileSm90{64, 64, 2, true};
 }
 
-// sm80 backward (FlashAttention-2's algorithm, 8 warps, keys as the GEMM rows; BwdTraitsSm80):
+// sm80 backward (FlashAttention-2's algorithm, 8 warps, keys as the GEMM rows; BwdTraitsSm80), kStages Q / dO
+// buffers:
 //   hdim <= 128: 128 keys (16 a warp) x 64 queries a step. 128 queries at hdim 64 (FA2's tile) measured -2.5%
 //     (255 registers with a spill, twice the work between barriers with all 8 warps in lockstep).
 //   hdim > 128: the warps form two halves that split dK / dV's head-dim columns, so a CTA owns 64 keys; 32
 //     queries a step keep shared memory at 132.5 KiB at hdim 256 (A100: 164 KB a CTA).
+// Shared memory: K + V + kStages x (Q + dO) + dS^T: hdim 64 81 KB, 96 113 KB, 128 145 KB, 192 100.5 KB, 256
+// 132.5 KB. `small_smem` (99 KB a CTA: sm86 / 89 / 120) keeps hdim 64 and otherwise:
+//   hdim 96: one Q / dO buffer (90.5 KB): the next block loads behind the dQ GEMM instead of the whole step.
+//     Two 64-key halves would need 48-column swizzle atoms.
+//   hdim 128: 32 queries a step, one buffer (88.25 KB). 64 keys as two halves (the hdim > 128 scheme, both
+//     buffers, 68.5 KB) measured 0.55-0.60x the 145 KB tile (H100, forced sm80 path): each half computes S^T
+//     and dP^T, 5 of 7 GEMMs useful.
+//   hdim 192: one buffer (76 KB). hdim 256: one buffer, and dS^T in Q's buffer once the dK GEMM is done with
+//     it (96 KB; dS^T of its own would be 100.25 KB).
 struct BwdTileSm80 {
   int block_m;
   int block_n;
   int warps;
+  int stages;  // Q / dO buffers (BwdTraitsSm80)
 };
 
-constexpr BwdTileSm80 bwd_tile_sm80(int head_dim) {
-  return head_dim <= 128 ? BwdTileSm80{64, 128, 8} : BwdTileSm80{32, 64, 8};
+constexpr BwdTileSm80 bwd_tile_sm80(int head_dim, bool small_smem = false) {
+  return !small_smem        ? (head_dim <= 128 ? BwdTileSm80{64, 128, 8, 2} : BwdTileSm80{32, 64, 8, 2})
+         : head_dim <= 64   ? BwdTileSm80{64, 128, 8, 2}
+         : head_dim <= 96   ? BwdTileSm80{64, 128, 8, 1}
+         : head_dim <= 128  ? BwdTileSm80{32, 128, 8, 1}
+                            : BwdTileSm80{32, 64, 8, 1};
 }
 
 // Decode (decode/kernel_decode.hpp, one kernel for sm80 and sm90): 16 packed query rows, kBlockN keys a tile
 // (kBlockN / 4 per warp, a multiple of 16), kStages cp.async buffers of K + V. Sized so two CTAs fit an SM
 // (K + V + Q <= ~110 KB) up to hdim 128, keeping 4-6 tiles of loads in flight per SM; hdim 256 keeps two
-// stages (128 KB, one CTA, within the A100's 164 KB).
+// stages (128 KB, one CTA, within the A100's 164 KB). `small_smem` (99 KB a CTA): two stages up to hdim 128
+// (66-68 KB; three are 98-100 KB with Q, over the limit once a paged cache's page ring is added). Hdim 256 has no such row: two 64-key stages are 128 KB and the kernel needs
+// both; the launcher says so and the caller runs the forward kernels or the reference.
 struct DecodeTile {
   int block_n;
   int stages;
 };
 
-constexpr DecodeTile decode_tile(int head_dim) {
-  return head_dim <= 64 ? DecodeTile{128, 3} : head_dim <= 128 ? DecodeTile{64, 3} : DecodeTile{64, 2};
+constexpr DecodeTile decode_tile(int head_dim, bool small_smem = false) {
+  return head_dim <= 64    ? DecodeTile{128, small_smem ? 2 : 3}
+         : head_dim <= 128 ? DecodeTile{64, small_smem ? 2 : 3}
+                           : DecodeTile{64, 2};
 }
 
 }  // namespace flash4

@@ -35,6 +35,23 @@ bool tiles_even(const HostParams& p, int block_m, int block_n) {
          p.seqlen_q % block_m == 0 && p.seqlen_k % block_n == 0;
 }
 
+// Whether a kernel taking `bytes` of shared memory fits this call's budget (params' smem_per_block: the device's
+// opt-in maximum or FLASH_ATTN4_SMEM_CAP; 0 = not known, no limit).
+template <class HostParams>
+bool smem_fits(const HostParams& p, int bytes) {
+  return p.smem_per_block <= 0 || bytes <= p.smem_per_block;
+}
+
+// A launcher whose smallest tile does not fit the budget says so (before anything runs).
+template <class HostParams>
+void require_smem(const HostParams& p, int bytes, const char* what) {
+  if (!smem_fits(p, bytes)) {
+    throw std::runtime_error(std::string("flash_attn4: the ") + what + " needs " + std::to_string(bytes) +
+                             " bytes of shared memory a block and this device (or FLASH_ATTN4_SMEM_CAP) allows " +
+                             std::to_string(p.smem_per_block));
+  }
+}
+
 // Whether the current device runs programmatic dependent launch (sm90 and later), asked once per device.
 inline bool device_has_pdl() {
   static std::atomic<uint64_t> known{0}, has{0};

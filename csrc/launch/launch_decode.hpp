@@ -47,6 +47,14 @@ template <DType kDType, int kHeadDim, bool kPaged>
 void run_decode_impl(const DecodeParams& p, const AppendParams* append, cudaStream_t stream) {
   using Element = CutlassElement<kDType>;
   using KVSource = std::conditional_t<kPaged, PagedKV, ContiguousKV>;
+  // The table's tile where the device's shared memory holds it, else the 99 KB row (tile_size.h; the same
+  // kBlockN, which the host's split count assumed). Checked before the append changes the cache.
+  constexpr DecodeTile large = decode_tile(kHeadDim), small = decode_tile(kHeadDim, true);
+  static_assert(large.block_n == small.block_n);
+  using Large = DecodeKernel<DecodeTraits<Element, kHeadDim, large.block_n, large.stages>, KVSource>;
+  using Small = DecodeKernel<DecodeTraits<Element, kHeadDim, small.block_n, small.stages>, KVSource>;
+  const bool use_large = smem_fits(p, Large::kSmemBytes);
+  if (!use_large) require_smem(p, Small::kSmemBytes, "decode kernel");
   if (append != nullptr) {
     using Append = AppendKV<Element>;
     const int64_t rows = Append::rows(p, *append);
@@ -56,9 +64,11 @@ void run_decode_impl(const DecodeParams& p, const AppendParams* append, cudaStre
                    "decode append kernel launch", p, *append);
     }
   }
-  constexpr DecodeTile tile = decode_tile(kHeadDim);
-  using Kernel = DecodeKernel<DecodeTraits<Element, kHeadDim, tile.block_n, tile.stages>, KVSource>;
-  launch_kernel<Kernel>(decode_entry<Kernel>, p, stream, "decode kernel launch", /*overlap_prior=*/true);
+  if (use_large) {
+    launch_kernel<Large>(decode_entry<Large>, p, stream, "decode kernel launch", /*overlap_prior=*/true);
+  } else if constexpr (!std::is_same_v<Large, Small>) {
+    launch_kernel<Small>(decode_entry<Small>, p, stream, "decode kernel launch", /*overlap_prior=*/true);
+  }
   if (p.num_splits > 1) {
     using Combine = DecodeCombine<Element, kHeadDim>;
     launch_entry(decode_combine_entry<Combine>, Combine::grid(p), Combine::kNumThreads, 0, stream, true,

@@ -23,16 +23,34 @@ void launch_fwd_sm80_cap(const FwdParams& p, cudaStream_t stream) {
   }
 }
 
-template <DType kDType, int kHeadDim, bool kCausal, bool kLocal, class Iter = DenseBand>
-void run_fwd_sm80(const FwdParams& p, cudaStream_t stream) {
-  constexpr FwdTileSm80 tile = fwd_tile_sm80(kHeadDim);
-  using Traits = FwdTraitsSm80<CutlassElement<kDType>, kHeadDim, tile.block_m, tile.block_n, tile.warps>;
+template <DType kDType, int kHeadDim, bool kSmall>
+using FwdTraitsSm80Of =
+    FwdTraitsSm80<CutlassElement<kDType>, kHeadDim, fwd_tile_sm80(kHeadDim, kSmall).block_m,
+                  fwd_tile_sm80(kHeadDim, kSmall).block_n, fwd_tile_sm80(kHeadDim, kSmall).warps>;
+
+template <class Traits, bool kCausal, bool kLocal, class Iter>
+void run_fwd_sm80_tile(const FwdParams& p, cudaStream_t stream) {
+  require_smem(p, Traits::kSmemBytes, "sm80 forward kernel");
   // Lengths that are multiples of the tile (fixed-length batches) take the kernel without row predicates and
   // key-end mask code: hdim 64 non-causal +8%, hdim 128 +3-5% (H200, forced sm80 path).
-  if (tiles_even(p, tile.block_m, tile.block_n)) {
+  if (tiles_even(p, Traits::kBlockM, Traits::kBlockN)) {
     launch_fwd_sm80_cap<Traits, kCausal, kLocal, true, Iter>(p, stream);
   } else {
     launch_fwd_sm80_cap<Traits, kCausal, kLocal, false, Iter>(p, stream);
+  }
+}
+
+// The table's tile where the device's shared memory holds it, else the 99 KB row (tile_size.h).
+template <DType kDType, int kHeadDim, bool kCausal, bool kLocal, class Iter = DenseBand>
+void run_fwd_sm80(const FwdParams& p, cudaStream_t stream) {
+  using Large = FwdTraitsSm80Of<kDType, kHeadDim, false>;
+  using Small = FwdTraitsSm80Of<kDType, kHeadDim, true>;
+  if constexpr (std::is_same_v<Large, Small>) {
+    run_fwd_sm80_tile<Large, kCausal, kLocal, Iter>(p, stream);
+  } else if (smem_fits(p, Large::kSmemBytes)) {
+    run_fwd_sm80_tile<Large, kCausal, kLocal, Iter>(p, stream);
+  } else {
+    run_fwd_sm80_tile<Small, kCausal, kLocal, Iter>(p, stream);
   }
 }
 

@@ -59,7 +59,7 @@ struct BwdKernelSm80 {
   // hdim 128 causal +1.5-3% (234 -> 239, 264 -> 272, 283 -> 291 TFLOP/s at 2k / 4k / 8k), hdim 128 non-causal
   // -0.3 to -1.3%, hdim 64 -2 to -5% (the function call changes the loop's register allocation), so only
   // hdim 128 causal takes it.
-  static constexpr bool kStagedDKV = kCausal && !kLocal && kHeadDim == 128;
+  static constexpr bool kStagedDKV = kCausal && !kLocal && kHeadDim == 128 && Traits::kSplit == 1;
   static dim3 grid(BwdParams const& p) { return dim3((p.seqlen_k + kBlockN - 1) / kBlockN, p.nheads_kv, p.batch); }
 
   // Deterministic mode: the position of key block n among those adding into query block m, as in the sm90
@@ -149,9 +149,10 @@ struct BwdKernelSm80 {
     Element* smem = reinterpret_cast<Element*>(smem_buf);
     Tensor sK = make_tensor(make_smem_ptr(smem), typename Traits::SmemLayoutKV{});
     Tensor sV = make_tensor(make_smem_ptr(smem + kElemsKV), typename Traits::SmemLayoutKV{});
+    constexpr bool kdSInQ = Traits::kdSInQ;
     Element* q_base = smem + 2 * kElemsKV;
-    Element* ds_base = q_base + 2 * kStages * kElemsQ;
-    float* row_base = reinterpret_cast<float*>(ds_base + kElemsdS);
+    Element* ds_base = kdSInQ ? q_base : q_base + 2 * kStages * kElemsQ;
+    float* row_base = reinterpret_cast<float*>(q_base + 2 * kStages * kElemsQ + (kdSInQ ? 0 : kElemsdS));
     Step* step_slots = reinterpret_cast<Step*>(row_base + kStages * 2 * kBlockM);  // SparseList: [2]
     Cursor* cursor = reinterpret_cast<Cursor*>(step_slots + 2);
     static_assert(2 * sizeof(Step) + sizeof(Cursor) <= kStepBytes || !kSparse, "the step slots fit");
@@ -274,7 +275,8 @@ struct BwdKernelSm80 {
 
 #pragma unroll 1
     for (int t = 0; t < steps; ++t) {
-      const int s = t & 1;
+      const int slot = t & 1;                  // SparseList's step slot
+      const int s = kStages == 2 ? slot : 0;   // Q / dO buffer
       // The band's next step (head, query block); SparseList reads it from the step slots instead.
       const bool last_of_head = m_block + 1 == m_max;
       const int next_bidh = last_of_head ? bidh + 1 : bidh, next_m_block = last_of_head ? m_min : m_block + 1;
@@ -283,7 +285,7 @@ struct BwdKernelSm80 {
 
       bool partial = true;
       if constexpr (kSparse) {
-        const Step step = step_slots[s];
+        const Step step = step_slots[slot];
         bidh = step.bidh, m_block = step.m_block, partial = step.partial;
       }
       Tensor sQ = make_tensor(make_smem_ptr(stage_ptr(s, 0)), typename Traits::SmemLayoutQ{});
@@ -333,17 +335,21 @@ struct BwdKernelSm80 {
       } else {
         gemm_smem(mma, tSrV, tSrQ, tSrdP, tSsV, copy_b.get_thread_slice(tid_k).partition_S(sdO), copy_a, copy_b);
       }
-      // The next block's loads go out behind the first GEMMs, not right after the barrier, where every warp
-      // would issue their address arithmetic at once while the tensor cores wait.
-      if (t + 1 < steps) {
-        if constexpr (kSparse) {
-          const Step next = step_slots[s ^ 1];
-          load_step(next.bidh, next.m_block, s ^ 1);
-        } else {
-          load_step(next_bidh, next_m_block, s ^ 1);
+      // The next block's loads (Q, dO, lse_log2, D into buffer `buf`), as one cp.async group.
+      auto load_next = [&](int buf) {
+        if (t + 1 < steps) {
+          if constexpr (kSparse) {
+            const Step next = step_slots[slot ^ 1];
+            load_step(next.bidh, next.m_block, buf);
+          } else {
+            load_step(next_bidh, next_m_block, buf);
+          }
         }
-      }
-      cp_async_fence();
+        cp_async_fence();
+      };
+      // Two buffers: the loads go out behind the first GEMMs, not right after the barrier, where every warp
+      // would issue their address arithmetic at once while the tensor cores wait.
+      if constexpr (kStages == 2) load_next(s ^ 1);
 
       // P^T = exp2(S^T * scale_log2 - lse_log2[q]) (0 where masked: S = -inf), dS^T = P^T * (dP^T - D[q]).
       // With softcap the score was cap * t, t = tanh(s * scale / cap), so dS picks up dt/ds ~ (1 - t^2): a
@@ -393,14 +399,22 @@ struct BwdKernelSm80 {
                 copy_bt);
       };
       // Split: dK now, so that dS^T's registers are free before dQ's accumulators (register pressure);
-      // otherwise after the dQ reductions, whose latency its MMAs hide.
-      if constexpr (kSplit == 2) gemm_dk();
+      // otherwise after the dQ reductions, whose latency its MMAs hide. One buffer: now, so that the next
+      // block's Q can load behind the dQ GEMM.
+      constexpr bool kdKFirst = kSplit == 2 || kStages == 1;
+      if constexpr (kdKFirst) gemm_dk();
+      if constexpr (kdSInQ) __syncthreads();  // every warp is done with Q^T, whose bytes dS^T takes
       if (half == 0) copy(copy_ds, thr_copy_ds.retile_S(tdSrdS), tdSsdSt);  // both halves hold the same dS^T
-      __syncthreads();  // dS^T complete in shared memory
+      __syncthreads();  // dS^T complete in shared memory; one buffer: Q and dO read for the last time
+      if constexpr (kStages == 1 && !kdSInQ) load_next(0);
 
       Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
       clear(tdQrdQ);
       gemm_smem(mma_dq, tdQrdS, tdQrKt, tdQrdQ, tdQsdS, tdQsKt, copy_dq_a, copy_dq_b);
+      if constexpr (kdSInQ) {
+        __syncthreads();  // every warp has read dS (in Q's buffer)
+        load_next(0);
+      }
 
       // dQ into dq_accum in register order (see the top of this file). Deterministic: in turn.
       const int64_t row0 = accum_row(bidh);
@@ -422,13 +436,13 @@ struct BwdKernelSm80 {
         if (tid == 0) release_increment_gpu(semaphore);
       }
 
-      if constexpr (kSplit == 1) gemm_dk();
+      if constexpr (!kdKFirst) gemm_dk();
       if constexpr (kSparse) {
         // Every thread read slot s before the dS^T barrier above; the next loop's barrier publishes step t + 2.
         if (tid == 0 && t + 2 < steps) {
           Cursor c = *cursor;
           advance(c);
-          step_slots[s] = step_of(c);
+          step_slots[slot] = step_of(c);
           *cursor = c;
         }
       } else {

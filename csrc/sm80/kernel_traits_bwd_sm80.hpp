@@ -24,8 +24,8 @@ namespace flash4 {
 
 using namespace cute;
 
-// kBlockM, kBlockN, kNWarps: bwd_tile_sm80 (common/tile_size.h).
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
+// kBlockM, kBlockN, kNWarps, kStages: bwd_tile_sm80 (common/tile_size.h).
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_ = 2>
 struct BwdTraitsSm80 {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -39,7 +39,10 @@ struct BwdTraitsSm80 {
   static_assert(kSplit * kBlockN == 16 * kNWarps && (kSplit == 1 || kSplit == 2), "one or two warp halves");
   static constexpr int kHeadDimKV = kHeadDim / kSplit;      // dK / dV columns a half owns
   static constexpr int kKeyThreads = kNumThreads / kSplit;  // the threads of one half
-  static constexpr int kStages = 2;  // Q / dO buffers
+  // Q / dO buffers. Two: the next query block loads during all of this one's work. One (cards with 99 KB a
+  // CTA, tile_size.h): it loads once this step's last reader of Q and dO is done (kernel_bwd_sm80.hpp).
+  static constexpr int kStages = kStages_;
+  static_assert(kStages == 1 || kStages == 2);
   // K and V as the A operands of S^T / dP^T stay in registers for the CTA's life instead of being re-read
   // from shared memory every step (ncu: the kernel is bound by shared-memory reads); measured +4-7% at hdim
   // 64. 32 registers at hdim 64; at hdim 128 it would be 64, which the 255-register budget does not have.
@@ -93,9 +96,14 @@ struct BwdTraitsSm80 {
   static constexpr int kElemsKV = cosize_v<SmemLayoutKV>;
   static constexpr int kElemsQ = cosize_v<SmemLayoutQ>;
   static constexpr int kElemsdS = cosize_v<SmemLayoutdSt>;
+  // With one buffer at hdim 256, K + V + Q + dO + dS^T are 100.25 KB, over the 99 KB of a consumer card: dS^T
+  // takes Q's bytes instead, once the dK GEMM (dS^T Q, A from registers) has read Q^T.
+  static constexpr bool kdSInQ = kStages == 1 && kHeadDim > 192;
+  static_assert(!kdSInQ || kElemsdS <= kElemsQ);
   // K, V, kStages x (Q, dO), dS^T, then kStages x (lse_log2, D) floats.
   static constexpr int kSmemBytes =
-      int(sizeof(Element)) * (2 * kElemsKV + 2 * kStages * kElemsQ + kElemsdS) + kStages * 2 * kBlockM * 4;
+      int(sizeof(Element)) * (2 * kElemsKV + 2 * kStages * kElemsQ + (kdSInQ ? 0 : kElemsdS)) +
+      kStages * 2 * kBlockM * 4;
 };
 
 }  // namespace flash4
