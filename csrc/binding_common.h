@@ -74,6 +74,14 @@ inline int num_sms(const at::Tensor& t) {
   return at::cuda::getDeviceProperties(t.get_device())->multiProcessorCount;
 }
 
+// An on / off environment variable: "1" is on; unset, empty or "0" off; anything else is an error.
+inline bool env_flag(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0' || std::string(v) == "0") return false;
+  TORCH_CHECK(std::string(v) == "1", std::string("flash_attn4: ") + name + " must be 0 or 1, got '" + v + "'");
+  return true;
+}
+
 // Shared memory a CTA may opt in to on t's device, lowered by FLASH_ATTN4_SMEM_CAP (bytes) when that is set
 // and smaller: the cap makes the Ampere-path launchers pick the tiles a card with that much would get (e.g.
 // 101376, the 99 KB of sm86 / 89 / 120), so one GPU can test them. Read on every call (a getenv), so that a

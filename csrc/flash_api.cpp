@@ -274,6 +274,9 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
   p.softmax_scale_log2 = float(softmax_scale * M_LOG2E);
   p.dtype = kdtype;
   set_device_fields(p, q);
+  // FLASH_ATTN4_FP16_ACCUM=1: the Ampere path's fp16 forward accumulates P V in fp16 (params.h). Read on every
+  // call, like FLASH_ATTN4_SMEM_CAP.
+  p.accum_pv_fp16 = kernel_arch == 80 && kdtype == DType::kFP16 && env_flag("FLASH_ATTN4_FP16_ACCUM");
 
   const c10::cuda::CUDAGuard guard(q.device());
   entry->launch(p, at::cuda::getCurrentCUDAStream().stream());

@@ -346,6 +346,7 @@ def fake_ext(monkeypatch):
     ext = FakeExt()
     monkeypatch.setattr(_build_info, "load_extension", lambda: (ext, ""))
     monkeypatch.setattr(_build_info, "HDIMS", (64, 96, 128))
+    monkeypatch.setattr(_build_info, "DECODE_HDIMS", (64, 128))
     monkeypatch.setattr(_build_info, "kernel_available", lambda device, dtype, hdim: (90, ""))
     return ext
 

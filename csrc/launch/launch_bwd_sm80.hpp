@@ -5,6 +5,7 @@
 #include "../common/bwd_prepost.cuh"
 #include "../common/tile_size.h"
 #include "../dispatch.h"
+#include "../sm80/bwd_postprocess_sm80.hpp"
 #include "../sm80/kernel_bwd_sm80.hpp"
 #include "../sm80/kernel_entry_sm80.hpp"
 #include "../sm80/kernel_traits_bwd_sm80.hpp"

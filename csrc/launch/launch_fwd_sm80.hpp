@@ -11,16 +11,28 @@
 
 namespace flash4 {
 
-template <class Traits, bool kCausal, bool kLocal, bool kEven, class Iter>
+template <class Traits, bool kCausal, bool kLocal, bool kEven, class Iter, class AccumPV>
 void launch_fwd_sm80_cap(const FwdParams& p, cudaStream_t stream) {
   // Softcap is its own kernel, chosen here so the dispatch table stays per mask (as on sm90).
   if (p.softcap > 0.f) {
-    using Kernel = FwdKernelSm80<Traits, kCausal, kLocal, true, kEven, Iter>;
+    using Kernel = FwdKernelSm80<Traits, kCausal, kLocal, true, kEven, Iter, AccumPV>;
     launch_kernel<Kernel>(kernel_entry_sm80<Kernel>, p, stream, "sm80 forward kernel launch (softcap)");
   } else {
-    using Kernel = FwdKernelSm80<Traits, kCausal, kLocal, false, kEven, Iter>;
+    using Kernel = FwdKernelSm80<Traits, kCausal, kLocal, false, kEven, Iter, AccumPV>;
     launch_kernel<Kernel>(kernel_entry_sm80<Kernel>, p, stream, "sm80 forward kernel launch");
   }
+}
+
+// P V's accumulation: fp16 when asked for and the inputs are float16 (the binding sets accum_pv_fp16 only then).
+template <class Traits, bool kCausal, bool kLocal, bool kEven, class Iter>
+void launch_fwd_sm80_accum(const FwdParams& p, cudaStream_t stream) {
+  if constexpr (std::is_same_v<typename Traits::Element, cutlass::half_t>) {
+    if (p.accum_pv_fp16) {
+      launch_fwd_sm80_cap<Traits, kCausal, kLocal, kEven, Iter, AccumPVF16>(p, stream);
+      return;
+    }
+  }
+  launch_fwd_sm80_cap<Traits, kCausal, kLocal, kEven, Iter, AccumPVF32>(p, stream);
 }
 
 template <DType kDType, int kHeadDim, bool kSmall>
@@ -34,9 +46,9 @@ void run_fwd_sm80_tile(const FwdParams& p, cudaStream_t stream) {
   // Lengths that are multiples of the tile (fixed-length batches) take the kernel without row predicates and
   // key-end mask code: hdim 64 non-causal +8%, hdim 128 +3-5% (H200, forced sm80 path).
   if (tiles_even(p, Traits::kBlockM, Traits::kBlockN)) {
-    launch_fwd_sm80_cap<Traits, kCausal, kLocal, true, Iter>(p, stream);
+    launch_fwd_sm80_accum<Traits, kCausal, kLocal, true, Iter>(p, stream);
   } else {
-    launch_fwd_sm80_cap<Traits, kCausal, kLocal, false, Iter>(p, stream);
+    launch_fwd_sm80_accum<Traits, kCausal, kLocal, false, Iter>(p, stream);
   }
 }
 

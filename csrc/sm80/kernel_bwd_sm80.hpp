@@ -1,12 +1,14 @@
 // sm80 backward kernel (see kernel_traits_bwd_sm80.hpp for the math and the tiling): one CTA per (key
 // block, kv head, batch). Per query block, with Q, dO, lse_log2 and D of this block already in shared memory:
 //   wait;  S^T = K Q^T (masked scores -> -inf, only in the blocks that need it);  dP^T = V dO^T;  prefetch
-//   the next block's Q, dO, lse_log2 and D (all cp.async) into the other buffer;  P^T, dS^T in registers;
+//   the next block's Q, dO, lse_log2 and D (all cp.async) into the other buffer (one buffer, on cards with
+//   99 KB a CTA: after the step's last read of Q and dO, see load_next);  P^T, dS^T in registers;
 //   dV += P^T dO;  dS^T -> shared memory;
 //   dQ = dS K, reduce-added into dq_accum;  dK += dS^T Q (its MMAs run while the reductions drain).
 // dq_accum holds each 64-row block in the dQ accumulator's register order (element e of thread t at
-// e * kNumThreads + t), so one warp-wide reduction covers one 128-byte line; the post-pass below reads it back
-// with the same partition. The pre-pass (common/bwd_prepost.cuh) and that post-pass bracket the kernel.
+// e * kNumThreads + t), so one warp-wide reduction covers one 128-byte line; the post-pass
+// (bwd_postprocess_sm80.hpp) reads it back with the same partition. The pre-pass (common/bwd_prepost.cuh)
+// and that post-pass bracket the kernel.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -481,27 +483,5 @@ struct BwdKernelSm80 {
     }
   }
 };
-
-// dq = dq_accum * softmax_scale. One CTA per (query block, head, batch) with the main kernel's threads: each
-// reads its dQ elements back from the register order (coalesced), recovers their (row, column) from the same
-// TiledMma partition and hands them to store_dq_staged (common/bwd_prepost.cuh).
-template <class Traits>
-__global__ void __launch_bounds__(Traits::kNumThreads) bwd_postprocess_sm80_kernel(const BwdParams p) {
-  using Element = typename Traits::Element;
-  constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim, kThreads = Traits::kNumThreads;
-  const int m_block = blockIdx.x, bidh = blockIdx.y, bidb = blockIdx.z, tid = threadIdx.x;
-  const PrePostRow r = prepost_row(p, bidh, bidb);
-  if (m_block * kBlockM >= r.seq.seqlen_q) return;  // packed batches: past this sequence's end
-  typename Traits::TiledMmadQ mma_dq;
-  Tensor cdQ = mma_dq.get_thread_slice(tid).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  const float* acc = p.dq_accum + (r.accum_row0 + int64_t(m_block) * kBlockM) * kHeadDim + tid;
-  float a[size(cdQ)];
-#pragma unroll
-  for (int e = 0; e < size(cdQ); ++e) a[e] = acc[e * kThreads];
-  Element* dq = static_cast<Element*>(p.dq) + r.seq.batch * p.dq_batch_stride + bidh * p.dq_head_stride +
-                (r.seq.offset_q + int64_t(m_block) * kBlockM) * p.dq_row_stride;
-  store_dq_staged<Element, kBlockM, kHeadDim, kThreads>(cdQ, [&](int e) { return a[e]; }, p.softmax_scale, dq,
-                                                         p.dq_row_stride, min(kBlockM, r.seq.seqlen_q - m_block * kBlockM));
-}
 
 }  // namespace flash4

@@ -36,8 +36,9 @@ using namespace cute;
 // (the predicates' address and zero-fill code was live in every step).
 // Iter: the block iterator (common/block_sparse.hpp): the loop walks virtual blocks v and loads key block
 // walk.block(v): the band itself (DenseBand) or a block mask's lists (SparseList, partial blocks first).
+// AccumPV: AccumPVF32 or AccumPVF16 (kernel_traits_fwd_sm80.hpp; float16 inputs only).
 template <class Traits_, bool kCausal, bool kLocal = false, bool kSoftcap = false, bool kEven = false,
-          class Iter = DenseBand>
+          class Iter = DenseBand, class AccumPV = AccumPVF32>
 struct FwdKernelSm80 {
   using Traits = Traits_;
   using Element = typename Traits::Element;
@@ -252,7 +253,15 @@ struct FwdKernelSm80 {
       *reinterpret_cast<cutlass::Array<Element, decltype(size(tSrS))::value>*>(tOrP.data()) =
           convert(*reinterpret_cast<cutlass::Array<float, decltype(size(tSrS))::value> const*>(tSrS.data()));
       Tensor tOrP_a = make_tensor(tOrP.data(), sm80_acc_as_a_layout(tOrP.layout()));
-      gemm_rs(tiled_mma, tOrP_a, tOrVt, tOrO, in_stage(tOsVt, stage), copy_v);
+      if constexpr (std::is_same_v<AccumPV, AccumPVF16>) {
+        static_assert(std::is_same_v<Element, cutlass::half_t>, "fp16 accumulation takes float16 inputs");
+        // The same thread-value layouts as tiled_mma (operands and accumulators), so its fragments serve.
+        // 32 columns of O (4 n-atoms) at a time.
+        typename Traits::TiledMmaF16 mma_f16;
+        gemm_rs_accum_f16<4>(mma_f16, tOrP_a, tOrVt, tOrO, in_stage(tOsVt, stage), copy_v);
+      } else {
+        gemm_rs(tiled_mma, tOrP_a, tOrVt, tOrO, in_stage(tOsVt, stage), copy_v);
+      }
     }
 
     // Epilogue: normalize, O -> shared memory (Q's buffer; every warp is past its last read of Q) ->

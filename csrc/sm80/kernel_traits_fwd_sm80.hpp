@@ -11,6 +11,13 @@ namespace flash4 {
 
 using namespace cute;
 
+// How O accumulates P V (the forward's AccumPV policy). AccumPVF32: in the fp32 accumulators, as every GEMM
+// here. AccumPVF16 (float16 inputs, opt-in): each key block's P V in a fresh fp16 accumulator, added into the
+// fp32 O after the block, so rounding grows over one block's keys (32-64), not the sequence. GeForce tensor
+// cores run fp16-accumulate mma.sync at twice their fp32-accumulate rate; data-center ones at the same rate.
+struct AccumPVF32 {};
+struct AccumPVF16 {};
+
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
 struct FwdTraitsSm80 {
   using Element = Element_;
@@ -23,6 +30,9 @@ struct FwdTraitsSm80 {
 
   using TiledMma =
       TiledMMA<Sm80MmaAtom<Element>, Layout<Shape<Int<kNWarps>, _1, _1>>, Tile<Int<16 * kNWarps>, _16, _16>>;
+  // AccumPVF16's P V: the same warp layout and operand fragments, fp16 accumulators.
+  using TiledMmaF16 = TiledMMA<MMA_Atom<SM80_16x8x16_F16F16F16F16_TN>, Layout<Shape<Int<kNWarps>, _1, _1>>,
+                               Tile<Int<16 * kNWarps>, _16, _16>>;
 
   using Tiling = Sm80SmemTiling<Element, kHeadDim, kNumThreads>;
   using SmemLayoutAtom = typename Tiling::SmemLayoutAtom;

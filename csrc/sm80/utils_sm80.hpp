@@ -106,4 +106,35 @@ CUTE_DEVICE void gemm_rs(TiledMma& mma, TA const& tCrA, TB& tCrB, TC& acc, SB co
   }
 }
 
+// acc (fp32) += A B with A in registers, kChunk n-atoms of acc at a time accumulated in fp16 over the whole
+// K extent first and then added into acc (the forward's AccumPVF16; `mma` has fp16 accumulators and the
+// thread-value layouts of the TiledMma that made the fragments). One chunk's fp16 accumulators are live at a
+// time: kChunk registers instead of half of acc's (all of them spilled 12-16 B at hdim 128).
+template <int kChunk, class TiledMma, class TA, class TB, class TC, class SB, class CopyB>
+CUTE_DEVICE void gemm_rs_accum_f16(TiledMma& mma, TA const& tCrA, TB& tCrB, TC& acc, SB const& tCsB,
+                                   CopyB const& copy_b) {
+  auto thr_b = copy_b.get_thread_slice(threadIdx.x);
+  Tensor tCrB_view = thr_b.retile_D(tCrB);
+  constexpr int kN = decltype(size<1>(tCrB))::value, kCopyN = decltype(size<1>(tCrB_view))::value;
+  static_assert(kN % kChunk == 0 && (kCopyN * kChunk) % kN == 0, "whole copies per chunk");
+  constexpr int kCopyChunk = kCopyN * kChunk / kN;
+  Tensor rB = logical_divide(tCrB, Shape<Underscore, Int<kChunk>, Underscore>{});         // (V, (c, C), K)
+  Tensor rB_view = logical_divide(tCrB_view, Shape<Underscore, Int<kCopyChunk>, Underscore>{});
+  Tensor sB = logical_divide(tCsB, Shape<Underscore, Int<kCopyChunk>, Underscore>{});
+  Tensor acc_div = logical_divide(acc, Shape<Underscore, Underscore, Int<kChunk>>{});     // (V, M, (c, C))
+#pragma unroll
+  for (int c = 0; c < kN / kChunk; ++c) {
+    Tensor acc_c = acc_div(_, _, make_coord(_, c));
+    Tensor acc_h = make_fragment_like<cutlass::half_t>(acc_c);
+    clear(acc_h);
+#pragma unroll
+    for (int k = 0; k < size<2>(tCrA); ++k) {
+      copy(copy_b, sB(_, make_coord(_, c), k), rB_view(_, make_coord(_, c), k));
+      cute::gemm(mma, tCrA(_, _, k), rB(_, make_coord(_, c), k), acc_h);
+    }
+#pragma unroll
+    for (int i = 0; i < size(acc_h); ++i) acc_c(i) += float(acc_h(i));
+  }
+}
+
 }  // namespace flash4
