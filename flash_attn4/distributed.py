@@ -79,16 +79,50 @@ def _finish(requests) -> None:
         req.wait()
 
 
-def _pairs(r: int, owner: int, w: int, causal: bool, sq: int, sk: int):
-    """The (query slice, key slice, causal) sub-blocks rank r computes against the block of rank `owner`.
-    Zigzag (causal): rank r's queries are chunks (r, 2w-1-r), owner's keys chunks (owner, 2w-1-owner);
-    chunk a sees chunk c fully when a > c, causally when a == c, not at all when a < c."""
-    if not causal:
-        return [(slice(0, sq), slice(0, sk), False)]
-    hq, hk = sq // 2, sk // 2
-    q_chunks = ((r, slice(0, hq)), (2 * w - 1 - r, slice(hq, sq)))
-    k_chunks = ((owner, slice(0, hk)), (2 * w - 1 - owner, slice(hk, sk)))
-    return [(qs, ks, a == c) for a, qs in q_chunks for c, ks in k_chunks if a >= c]
+def _band_block(lo: int | None, hi: int | None, nq: int, nk: int):
+    """An nq x nk block of queries i and keys j (local indices) of which only lo <= j - i <= hi is attended
+    (None: unbounded): (query slice, key slice, window left, window right) of the smallest sub-block holding
+    every such pair, with the window in the kernels' convention (bottom-right aligned, -1 unbounded, both
+    sides >= 0 after the trim), or None when the block holds no pair. Queries that see no key of the block
+    and keys no query sees are trimmed, which is what makes both sides nonnegative."""
+    if (lo is not None and lo > nk - 1) or (hi is not None and hi < -(nq - 1)):
+        return None
+    q0 = 0 if hi is None else max(0, -hi)
+    q1 = nq if lo is None else min(nq, nk - lo)
+    k0 = 0 if lo is None else max(0, q0 + lo)
+    k1 = nk if hi is None else min(nk, q1 + hi)
+    # The trimmed block's diagonal offset; its band is [lo - s, hi - s] with s = k0 - q0.
+    d = (k1 - k0) - (q1 - q0)
+    left = -1 if lo is None or lo <= -(nq - 1) else d - (lo - (k0 - q0))
+    right = -1 if hi is None or hi >= nk - 1 else (hi - (k0 - q0)) - d
+    return slice(q0, q1), slice(k0, k1), left, right
+
+
+def _pairs(r: int, owner: int, w: int, causal: bool, sq: int, sk: int, left: int = -1, right: int = -1):
+    """The (query slice, key slice, window left, window right) sub-blocks rank r computes against the block
+    of rank `owner`, for a global window (left, right) (causal: right 0). Contiguous shards: one block,
+    queries from r * sq, keys from owner * sk. Zigzag (causal): rank r's queries are chunks (r, 2w-1-r),
+    owner's keys chunks (owner, 2w-1-owner), each sq / 2 long; chunk a sees chunk c fully when a > c (unless
+    the window cuts it), causally when a == c, not at all when a < c."""
+    if causal:
+        right = 0
+        hq, hk = sq // 2, sk // 2
+        q_chunks = ((r * hq, slice(0, hq)), ((2 * w - 1 - r) * hq, slice(hq, sq)))
+        k_chunks = ((owner * hk, slice(0, hk)), ((2 * w - 1 - owner) * hk, slice(hk, sk)))
+    else:
+        q_chunks, k_chunks = ((r * sq, slice(0, sq)),), ((owner * sk, slice(0, sk)),)
+    out = []
+    for qo, qs in q_chunks:
+        for ko, ks in k_chunks:
+            # Global j - i in [-left, right] is local j' - i' in [qo - ko - left, qo - ko + right].
+            lo = None if left < 0 else qo - ko - left
+            hi = None if right < 0 else qo - ko + right
+            b = _band_block(lo, hi, qs.stop - qs.start, ks.stop - ks.start)
+            if b is not None:
+                bq, bk, wl, wr = b
+                out.append((slice(qs.start + bq.start, qs.start + bq.stop),
+                            slice(ks.start + bk.start, ks.start + bk.stop), wl, wr))  # fmt: skip
+    return out
 
 
 def _merge(out: Tensor, lse: Tensor, o: Tensor, l_: Tensor) -> tuple[Tensor, Tensor]:
@@ -133,7 +167,7 @@ def _ring_backward_loop(k: Tensor, v: Tensor, cdt, group, step) -> tuple[Tensor,
     return block[2], block[3]
 
 
-def _ring_fwd(q, k, v, scale, causal, softcap, group):
+def _ring_fwd(q, k, v, scale, causal, window, softcap, group):
     r, w = _world(group)
     b, sq, hq, _ = q.shape
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -141,27 +175,27 @@ def _ring_fwd(q, k, v, scale, causal, softcap, group):
     lse = torch.full((b, hq, sq), -math.inf, dtype=cdt, device=q.device)
 
     def step(owner, kb, vb):
-        for qs, ks, c in _pairs(r, owner, w, causal, sq, k.shape[1]):
-            o, l_ = _ops.fwd_impl(q[:, qs], kb[:, ks], vb[:, ks], scale, c, -1, -1, softcap, False)
+        for qs, ks, wl, wr in _pairs(r, owner, w, causal, sq, k.shape[1], *window):
+            o, l_ = _ops.fwd_impl(q[:, qs], kb[:, ks], vb[:, ks], scale, False, wl, wr, softcap, False)
             out[:, qs], lse[:, :, qs] = _merge(out[:, qs], lse[:, :, qs], o.to(cdt), l_.to(cdt))
 
     _ring_forward_loop(k, v, group, step)
     return out, lse  # in the compute dtype: the backward's D needs the unrounded out
 
 
-def _ring_bwd(dout, dlse, q, k, v, out, lse, scale, causal, softcap, group):
+def _ring_bwd(dout, dlse, q, k, v, out, lse, scale, causal, window, softcap, group):
     r, w = _world(group)
     sq = q.shape[1]
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
 
     def step(owner, kb, vb, dkb, dvb):
-        for qs, ks, c in _pairs(r, owner, w, causal, sq, k.shape[1]):
+        for qs, ks, wl, wr in _pairs(r, owner, w, causal, sq, k.shape[1], *window):
             # Every block's P uses the merged lse, so the lse gradient enters each block's backward whole.
             dl = None if dlse is None else dlse[:, :, qs].contiguous()
             gq, gk, gv = _ops.bwd(
                 dout[:, qs].contiguous(), dl, q[:, qs], kb[:, ks], vb[:, ks], out[:, qs].contiguous(),
-                lse[:, :, qs].contiguous(), scale, c, -1, -1, softcap, False,
+                lse[:, :, qs].contiguous(), scale, False, wl, wr, softcap, False,
             )  # fmt: skip
             dq[:, qs] += gq.to(cdt)
             dkb[:, ks] += gk.to(cdt)
@@ -173,11 +207,11 @@ def _ring_bwd(dout, dlse, q, k, v, out, lse, scale, causal, softcap, group):
 
 class _RingAttn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale, causal, softcap, group):
-        out, lse = _ring_fwd(q, k, v, scale, causal, softcap, group)
+    def forward(ctx, q, k, v, scale, causal, window, softcap, group):
+        out, lse = _ring_fwd(q, k, v, scale, causal, window, softcap, group)
         # The kernels' backward takes out in q's dtype; the reference uses an unrounded one exactly.
         ctx.save_for_backward(q, k, v, out.to(q.dtype) if q.is_cuda else out, lse)
-        ctx.args = (scale, causal, softcap, group)
+        ctx.args = (scale, causal, window, softcap, group)
         ctx.set_materialize_grads(False)  # an unused lse then gives dlse None
         return out.to(q.dtype), lse
 
@@ -187,25 +221,29 @@ class _RingAttn(torch.autograd.Function):
         dout = torch.zeros_like(out) if dout is None else dout
         dlse = None if dlse is None else dlse.to(lse.dtype)
         dq, dk, dv = _ring_bwd(dout, dlse, q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def ring_attn(
     q: Tensor, k: Tensor, v: Tensor, *, group=None, causal: bool = False, softmax_scale: float | None = None,
-    softcap: float = 0.0, return_lse: bool = False,
+    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, return_lse: bool = False,
 ):  # fmt: skip
     """Attention of this rank's query shard over the whole sharded sequence. q (batch, seqlen_shard,
     nheads_q, d), k / v (batch, seqlen_shard, nheads_kv, d), the same shard length on every rank: contiguous
-    shards for causal=False, zigzag shards (`zigzag_shard`) for causal=True; softcap as for `attn`. Returns
-    this rank's shard of out (and of lse, (batch, nheads_q, seqlen_shard)). Differentiable in q, k, v (and
-    through lse)."""
+    shards for causal=False, zigzag shards (`zigzag_shard`) for causal=True; window_size and softcap as for
+    `attn` over the whole sequence (a block the window misses is skipped, one it cuts runs with the window
+    in its local coordinates). Returns this rank's shard of out (and of lse, (batch, nheads_q,
+    seqlen_shard)). Differentiable in q, k, v (and through lse)."""
+    from flash_attn4.interface import _validate_window
+
+    window = _validate_window(window_size, causal)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D (batch, seqlen_shard, nheads, headdim) tensor")
     if causal and (q.shape[1] % 2 or k.shape[1] % 2):
         raise ValueError("causal ring_attn takes zigzag shards (two equal chunks): even shard lengths")
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    out, lse = _RingAttn.apply(q, k, v, scale, bool(causal), float(softcap), group)
+    out, lse = _RingAttn.apply(q, k, v, scale, bool(causal), window, float(softcap), group)
     return (out, lse) if return_lse else out
 
 

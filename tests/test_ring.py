@@ -30,7 +30,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, causal: bool, chunk: int, result_dir: str, softcap=0.0) -> None:
+def _worker(
+    rank: int, world: int, port: int, causal: bool, chunk: int, result_dir: str, softcap=0.0, window=(-1, -1)
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # up to 4 processes on a 2-core CI machine
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -46,11 +48,13 @@ def _worker(rank: int, world: int, port: int, causal: bool, chunk: int, result_d
         dlse = torch.randn(2, 4, seqlen, generator=g, dtype=torch.float64)
         lse_shard = lambda t: shard(t.transpose(1, 2)).transpose(1, 2)  # noqa: E731
         ql, kl, vl = (shard(t).clone().requires_grad_() for t in (q, k, v))
-        out, lse = ring_attn(ql, kl, vl, causal=causal, softcap=softcap, return_lse=True)
+        out, lse = ring_attn(ql, kl, vl, causal=causal, window_size=window, softcap=softcap, return_lse=True)
         ((out * shard(dout)).sum() + (lse * lse_shard(dlse)).sum()).backward()
         # The reference on the whole sequence, on every rank, sharded the same way.
         qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
-        ref, ref_lse = flash_attn4.attn(qf, kf, vf, causal=causal, softcap=softcap, return_lse=True)
+        ref, ref_lse = flash_attn4.attn(
+            qf, kf, vf, causal=causal, window_size=window, softcap=softcap, return_lse=True
+        )
         ((ref * dout).sum() + (ref_lse * dlse).sum()).backward()
         torch.testing.assert_close(lse, lse_shard(ref_lse), atol=1e-10, rtol=1e-10)
         torch.testing.assert_close(out, shard(ref), atol=1e-10, rtol=1e-10)
@@ -71,6 +75,43 @@ def test_ring_attn_equals_whole_sequence_attn(tmp_path, world, causal, softcap):
     args = (world, _free_port(), causal, chunk, str(tmp_path), softcap)
     mp.spawn(_worker, args=args, nprocs=world, join=True)
     assert sorted(os.listdir(tmp_path)) == [f"ok{r}" for r in range(world)]
+
+
+# Windows that skip some blocks, cut others across a shard boundary, and (40 > a 38-token shard) reach past
+# the neighbouring shard.
+@pytest.mark.parametrize(
+    "world,causal,window", [(2, False, (20, 11)), (3, True, (37, 0)), (4, False, (40, -1))]
+)
+def test_ring_attn_with_a_window_equals_whole_sequence_attn(tmp_path, world, causal, window):
+    args = (world, _free_port(), causal, 19, str(tmp_path), 0.0, window)
+    mp.spawn(_worker, args=args, nprocs=world, join=True)
+    assert sorted(os.listdir(tmp_path)) == [f"ok{r}" for r in range(world)]
+
+
+@pytest.mark.parametrize("nq,nk", [(5, 5), (7, 3), (3, 8), (1, 4), (6, 1)])
+def test_band_block_covers_the_band_exactly(nq, nk):
+    """_band_block's trimmed sub-block and window, as the kernels read them (bottom-right aligned), mark
+    exactly the pairs lo <= j - i <= hi of the block, for every band."""
+    from flash_attn4.distributed import _band_block
+
+    def kernel_mask(nq, nk, left, right):
+        i, j, d = torch.arange(nq)[:, None], torch.arange(nk)[None, :], nk - nq
+        return ((j >= i + d - left) | (left < 0)) & ((j <= i + d + right) | (right < 0))
+
+    i, j = torch.arange(nq)[:, None], torch.arange(nk)[None, :]
+    for lo in [None, *range(-10, 11)]:
+        for hi in [None, *range(-10, 11)]:
+            if lo is not None and hi is not None and hi < lo:
+                continue
+            want = ((j - i >= lo) if lo is not None else True) & ((j - i <= hi) if hi is not None else True)
+            want = torch.as_tensor(want).expand(nq, nk)
+            got = torch.zeros(nq, nk, dtype=torch.bool)
+            block = _band_block(lo, hi, nq, nk)
+            if block is not None:
+                qs, ks, left, right = block
+                assert left >= -1 and right >= -1 and qs.stop > qs.start and ks.stop > ks.start
+                got[qs, ks] = kernel_mask(qs.stop - qs.start, ks.stop - ks.start, left, right)
+            assert torch.equal(got, want), (lo, hi, block)
 
 
 def _varlen_worker(rank: int, world: int, port: int, causal: bool, result_dir: str) -> None:
