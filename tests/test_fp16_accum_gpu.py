@@ -1,7 +1,8 @@
 """FLASH_ATTN4_FP16_ACCUM=1: the Ampere path's float16 forward accumulates each key block's P V in fp16
-(AccumPVF16, csrc/sm80/kernel_traits_fwd_sm80.hpp). Against the float64 reference its error stays within
-4x the larger of the fp32-accumulate kernel's and torch's float16 attention's (+ a rounding floor), and it
-does change the result (the option is live); bfloat16 inputs ignore it; a bad value is a clear error.
+(AccumPVF16, csrc/sm80/kernel_traits_fwd_sm80.hpp) at head dims up to 128. Against the float64 reference
+its error stays within 4x the larger of the fp32-accumulate kernel's and torch's float16 attention's (+ a
+rounding floor), and it does change the result there (the option is live); head dims above 128 and
+bfloat16 inputs ignore it; a bad value is a clear error.
 """
 
 from __future__ import annotations
@@ -49,7 +50,10 @@ def test_fp16_accumulation_error_is_bounded_and_live(monkeypatch, hdim, causal, 
     err16, err32, err_lp = _err(out16, truth), _err(out32, truth), _err(lp, truth)
     assert torch.isfinite(out16).all()
     assert err16 <= 4 * max(err32, err_lp) + floor, f"{err16:.3g} vs fp32-acc {err32:.3g}, torch {err_lp:.3g}"
-    assert not torch.equal(out16, out32), "FLASH_ATTN4_FP16_ACCUM=1 changed nothing"
+    if hdim <= 128:
+        assert not torch.equal(out16, out32), "FLASH_ATTN4_FP16_ACCUM=1 changed nothing"
+    else:
+        assert torch.equal(out16, out32), "above head dim 128 the option is ignored"
 
 
 def test_bfloat16_ignores_it_and_a_bad_value_is_an_error(monkeypatch):
