@@ -36,7 +36,7 @@ bench-quick:  ## hdim 64/128/256 x seqlen 4096/8192 x causal both, forward and b
 gpu-check:  ## build + tests + quick bench on a GPU machine without network; logs in $$OUT or build/gpu_check
 	bash scripts/gpu_check.sh
 
-gpu-sm80:  ## the Ampere path on a Hopper GPU (FLASH_ATTN4_FORCE_SM80=1): build, fwd/bwd/feature tests, bench vs FA2
+gpu-sm80:  ## the Ampere path on a Hopper GPU (FLASH_ATTN4_FORCE_SM80=1): build, GPU tests, bench vs FA2 and the 99 KB tiles (SMEM_CAP=101376: tests as a 99 KB card)
 	bash scripts/gpu_sm80.sh
 
 compile-check:  ## compile one sm_90a forward instantiation with nvcc (no GPU needed)
