@@ -96,7 +96,7 @@ constexpr BwdTileSm90 bwd_tile_sm90(int head_dim) {
 //     queries a step keep shared memory at 132.5 KiB at hdim 256 (A100: 164 KB a CTA).
 // Shared memory: K + V + kStages x (Q + dO) + dS^T: hdim 64 81 KB, 96 113 KB, 128 145 KB, 192 100.5 KB, 256
 // 132.5 KB. `small_smem` (99 KB a CTA: sm86 / 89 / 120) keeps hdim 64 and otherwise:
-//   hdim 96: one Q / dO buffer (90.5 KB): the next block loads behind the dQ GEMM instead of the whole step.
+//   hdim 96: one Q / dO buffer (88.5 KB): the next block loads behind the dQ GEMM instead of the whole step.
 //     Two 64-key halves would need 48-column swizzle atoms.
 //   hdim 128: 32 queries a step, one buffer (88.25 KB). 64 keys as two halves (the hdim > 128 scheme, both
 //     buffers, 68.5 KB) measured 0.55-0.60x the 145 KB tile (H100, forced sm80 path): each half computes S^T
