@@ -239,7 +239,6 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
                                        block_full_index, o, nheads_q, q, /*transposed=*/false);
   const bool alibi = set_alibi(p, alibi_slopes, o, nheads_q, q, softmax_scale);
   if (sinks.has_value()) {
-    TORCH_CHECK(kernel_arch == 90, "flash_attn4: only the sm90 forward kernels take sinks");
     TORCH_CHECK(sinks->is_cuda() && sinks->device() == q.device() && sinks->scalar_type() == at::kFloat &&
                     sinks->dim() == 1 && sinks->numel() == nheads_q && sinks->is_contiguous(),
                 "flash_attn4: sinks must be a contiguous float32 (" + str(nheads_q) + ",) tensor on q's device");

@@ -137,8 +137,8 @@ struct FwdParams : SeqMaskParams {
   const float* k_descale = nullptr;
   const float* v_descale = nullptr;
 
-  // Attention sinks (fp32, (nheads_q,) logits), or null: the sm90 forward kernels fold them into each finished
-  // row (common/softmax.hpp, apply_sink), so out and lse come back with them.
+  // Attention sinks (fp32, (nheads_q,) logits), or null: the sm90 and sm80 forward kernels fold them into each
+  // finished row (common/softmax.hpp, apply_sink), so out and lse come back with them.
   const float* sinks = nullptr;
 
   DType dtype = DType::kBF16;

@@ -115,9 +115,14 @@ def explain_path(shape: tuple[int, ...], dtype: torch.dtype, causal: bool) -> No
             capped = " (FLASH_ATTN4_SMEM_CAP)" if os.environ.get("FLASH_ATTN4_SMEM_CAP") else ""
             print(f"shared memory a block: {smem} bytes{capped}; each kernel takes its tile of "
                   "csrc/common/tile_size.h where that fits, else its 99 KB row")  # fmt: skip
-        if not _build_info.decode_fits(device, d):
+        if d not in _build_info.DECODE_HDIMS:
+            print(f"decoding (query length 1): the forward kernels; no decode kernel at head dim {d} (built: "
+                  f"{_build_info.DECODE_HDIMS}), so attn_with_kvcache runs the reference")  # fmt: skip
+        elif not _build_info.decode_fits(device, d):
             print(f"decoding (query length 1): the forward kernels; the decode kernel at head dim {d} needs "
                   f"{_build_info.DECODE_WIDE_SMEM} bytes of shared memory a block")  # fmt: skip
+        if arch == 80 and os.environ.get("FLASH_ATTN4_FP16_ACCUM") == "1":
+            print("FLASH_ATTN4_FP16_ACCUM=1: float16 forwards up to head dim 128 accumulate P V in fp16")
     else:
         print(f"forward and backward: the PyTorch reference on {device}, because {why}")
 

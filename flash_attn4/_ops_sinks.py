@@ -1,4 +1,4 @@
-"""Attention sinks folded into the sm90 forward kernels, fixed-length batches:
+"""Attention sinks folded into the forward kernels (sm90 and the Ampere path), fixed-length batches:
 
     flash_attn4::fwd_sinks(q, k, v, sinks, softmax_scale, causal, window_left, window_right, softcap,
                            deterministic) -> (out, lse)       # both with the sinks
@@ -7,8 +7,8 @@ The kernels fold each head's sink into its finished rows (csrc/common/softmax.hp
 over out follows them. The backward needs nothing new for q, k, v: with the sinked out and lse, P and D are
 the sinked attention's, which `flash_attn4::bwd` differentiates (through lse too); d sinks is
 -sum over rows of exp(sink - lse) (D - dlse) with D = rowsum(dout * out), where the backward kernel's pre-pass
-hands back D - dlse (`flash_attn4::bwd_sinks`). Without an sm90 kernel for the call the ops run the reference
-and the same merge (`_sinks.merge`, `_sinks.sinks_grad`).
+hands back D - dlse (`flash_attn4::bwd_sinks`). Without a forward kernel for the call (or where the decode
+kernel takes it) the ops run the reference and the same merge (`_sinks.merge`, `_sinks.sinks_grad`).
 
 No `from __future__ import annotations` here: custom_op reads the schema from real annotations.
 """
@@ -23,10 +23,10 @@ from flash_attn4 import _ops, _ops_kvcache, _sinks
 
 def kernel_plan(q: Tensor, k: Tensor, v: Tensor, causal: bool, window_left: int, window_right: int,
                 num_splits: int = 0) -> Optional[_ops._Plan]:  # fmt: skip
-    """The plan when an sm90 forward kernel takes the call with its sinks (not the decode kernels), else
-    None."""
+    """The plan when a forward kernel (sm90 or the Ampere path) takes the call with its sinks (not the decode
+    kernels), else None."""
     plan, _ = _ops._kernel_plan(q, q.shape[1], k.shape[1], causal, window_left, window_right, v.shape[-1])
-    if plan is None or plan.arch != 90:
+    if plan is None:
         return None
     if _ops_kvcache.use_decode(q.shape[1], q.shape[2], k.shape[2], q.shape[3], num_splits, q.device):
         return None

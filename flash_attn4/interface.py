@@ -314,7 +314,7 @@ def attn(
         out, lse = _general(q, k, v, block_mask, alibi_slopes, dropout_p, softmax_scale, causal, left, right,
                             softcap)  # fmt: skip
     elif sinks is not None and _ops_sinks.kernel_plan(q, k, v, causal, left, right, num_splits) is not None:
-        # The sm90 kernels fold the sinks into out and lse themselves.
+        # The forward kernels (sm90 and the Ampere path) fold the sinks into out and lse themselves.
         out, lse = torch.ops.flash_attn4.fwd_sinks(
             q, k, v, sinks, softmax_scale, causal, left, right, softcap, deterministic
         )

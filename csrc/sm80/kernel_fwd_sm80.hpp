@@ -58,8 +58,9 @@ struct FwdKernelSm80 {
   }
 
   // A tile no row of which sees a key (causal with seqlen_q > seqlen_k, or a window that misses every key):
-  // out = 0, lse = -inf.
-  CUTE_DEVICE void write_empty(Params const& p, Element* o, float* lse, int m_block, int seqlen_q) const {
+  // out = 0, lse = empty_lse (-inf, or the head's sink).
+  CUTE_DEVICE void write_empty(Params const& p, Element* o, float* lse, int m_block, int seqlen_q,
+                               float empty_lse) const {
     constexpr int kVecs = kHeadDim / 8;  // 16-byte vectors per row
     for (int i = threadIdx.x; i < kBlockM * kVecs; i += kNumThreads) {
       const int row = m_block * kBlockM + i / kVecs;
@@ -69,7 +70,7 @@ struct FwdKernelSm80 {
     }
     for (int i = threadIdx.x; i < kBlockM; i += kNumThreads) {
       const int row = m_block * kBlockM + i;
-      if (row < seqlen_q) lse[row] = -INFINITY;
+      if (row < seqlen_q) lse[row] = empty_lse;
     }
   }
 
@@ -106,7 +107,7 @@ struct FwdKernelSm80 {
       n_min = bm.n_block_min(m_block), n_max = bm.n_block_max(m_block);
     }
     if (n_max <= n_min) {
-      write_empty(p, o, lse, m_block, seqlen_q);
+      write_empty(p, o, lse, m_block, seqlen_q, p.sinks != nullptr ? p.sinks[bidh] : -INFINITY);
       return;
     }
 
@@ -269,6 +270,7 @@ struct FwdKernelSm80 {
     cute::array<float, kRows> row_lse;
     const auto inv = softmax.finalize(p.lse_scale(), row_lse);
     softmax.rescale(tOrO_rc, inv);
+    if (p.sinks != nullptr) apply_sink(tOrO_rc, row_lse, p.sinks[bidh]);  // FwdParams::sinks
     Tensor tOrO_out = make_tensor_like<Element>(tOrO);
     cutlass::NumericArrayConverter<Element, float, decltype(size(tOrO))::value> convert_o;
     *reinterpret_cast<cutlass::Array<Element, decltype(size(tOrO))::value>*>(tOrO_out.data()) =
