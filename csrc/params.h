@@ -116,8 +116,8 @@ struct FwdParams : SeqMaskParams {
   float* lse = nullptr;
   int64_t lse_batch_stride = 0, lse_head_stride = 0;
 
-  // Ampere path, float16 inputs, head dims <= 128: accumulate each key block's P V in fp16 and add it into the
-  // fp32 O (FLASH_ATTN4_FP16_ACCUM=1; AccumPVF16, sm80/kernel_traits_fwd_sm80.hpp). Off by default.
+  // Ampere path, float16 inputs, head dims <= 128, no window or block mask: accumulate each key block's P V in
+  // fp16 and add it into the fp32 O (FLASH_ATTN4_FP16_ACCUM=1; AccumPVF16, launch_fwd_sm80.hpp). Off by default.
   bool accum_pv_fp16 = false;
 
   int batch = 0;

@@ -122,7 +122,8 @@ def explain_path(shape: tuple[int, ...], dtype: torch.dtype, causal: bool) -> No
             print(f"decoding (query length 1): the forward kernels; the decode kernel at head dim {d} needs "
                   f"{_build_info.DECODE_WIDE_SMEM} bytes of shared memory a block")  # fmt: skip
         if arch == 80 and os.environ.get("FLASH_ATTN4_FP16_ACCUM") == "1":
-            print("FLASH_ATTN4_FP16_ACCUM=1: float16 forwards up to head dim 128 accumulate P V in fp16")
+            print("FLASH_ATTN4_FP16_ACCUM=1: float16 forwards up to head dim 128 without a window or block "
+                  "mask accumulate P V in fp16")  # fmt: skip
     else:
         print(f"forward and backward: the PyTorch reference on {device}, because {why}")
 

@@ -24,10 +24,12 @@ void launch_fwd_sm80_cap(const FwdParams& p, cudaStream_t stream) {
 }
 
 // P V's accumulation: fp16 when asked for and the inputs are float16 (the binding sets accum_pv_fp16 only then),
-// up to head dim 128: above it O alone takes 128 registers a thread and the fp16 variant spilled 20-32 B.
+// up to head dim 128 and without a window or block mask: above 128 O alone takes 128 registers a thread and
+// the fp16 variant spilled 20-32 B; the window variant spilled 8 B at 128 (ptxas, sm_80). Those keep fp32.
 template <class Traits, bool kCausal, bool kLocal, bool kEven, class Iter>
 void launch_fwd_sm80_accum(const FwdParams& p, cudaStream_t stream) {
-  if constexpr (std::is_same_v<typename Traits::Element, cutlass::half_t> && Traits::kHeadDim <= 128) {
+  if constexpr (std::is_same_v<typename Traits::Element, cutlass::half_t> && Traits::kHeadDim <= 128 && !kLocal &&
+                !kIsSparse<Iter>) {
     if (p.accum_pv_fp16) {
       launch_fwd_sm80_cap<Traits, kCausal, kLocal, kEven, Iter, AccumPVF16>(p, stream);
       return;

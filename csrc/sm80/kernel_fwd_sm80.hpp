@@ -257,9 +257,9 @@ struct FwdKernelSm80 {
       if constexpr (std::is_same_v<AccumPV, AccumPVF16>) {
         static_assert(std::is_same_v<Element, cutlass::half_t>, "fp16 accumulation takes float16 inputs");
         // The same thread-value layouts as tiled_mma (operands and accumulators), so its fragments serve.
-        // 32 columns of O (4 n-atoms) at a time.
+        // 16 columns of O (2 n-atoms) at a time: 4 spilled 8 B on sm_120 (hdim 128, non-causal).
         typename Traits::TiledMmaF16 mma_f16;
-        gemm_rs_accum_f16<4>(mma_f16, tOrP_a, tOrVt, tOrO, in_stage(tOsVt, stage), copy_v);
+        gemm_rs_accum_f16<2>(mma_f16, tOrP_a, tOrVt, tOrO, in_stage(tOsVt, stage), copy_v);
       } else {
         gemm_rs(tiled_mma, tOrP_a, tOrVt, tOrO, in_stage(tOsVt, stage), copy_v);
       }
