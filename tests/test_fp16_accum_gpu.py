@@ -1,8 +1,8 @@
 """FLASH_ATTN4_FP16_ACCUM=1: the Ampere path's float16 forward accumulates each key block's P V in fp16
 (AccumPVF16, csrc/sm80/kernel_traits_fwd_sm80.hpp) at head dims up to 128. Against the float64 reference
 its error stays within 4x the larger of the fp32-accumulate kernel's and torch's float16 attention's (+ a
-rounding floor), and it does change the result there (the option is live); head dims above 128 and
-bfloat16 inputs ignore it; a bad value is a clear error.
+rounding floor), and it does change the result there (the option is live); head dims above 128, windows
+and bfloat16 inputs ignore it; a bad value is a clear error.
 """
 
 from __future__ import annotations
@@ -54,6 +54,15 @@ def test_fp16_accumulation_error_is_bounded_and_live(monkeypatch, hdim, causal, 
         assert not torch.equal(out16, out32), "FLASH_ATTN4_FP16_ACCUM=1 changed nothing"
     else:
         assert torch.equal(out16, out32), "above head dim 128 the option is ignored"
+
+
+def test_windows_keep_fp32_accumulation(monkeypatch):
+    hdim = min(_build_info.HDIMS)
+    q, k, v = (torch.randn(2, 300, 2, hdim, device="cuda", dtype=torch.float16) for _ in range(3))
+    monkeypatch.setenv("FLASH_ATTN4_FP16_ACCUM", "0")
+    plain = flash_attn4.attn(q, k, v, window_size=(64, 0))
+    monkeypatch.setenv("FLASH_ATTN4_FP16_ACCUM", "1")
+    assert torch.equal(flash_attn4.attn(q, k, v, window_size=(64, 0)), plain)
 
 
 def test_bfloat16_ignores_it_and_a_bad_value_is_an_error(monkeypatch):
