@@ -50,6 +50,15 @@ def _grads(outs, inputs, g_out, g_lse):
     return torch.autograd.grad(loss, inputs)
 
 
+def _assert_matches(ours, want, inputs):
+    """(out, lse) and their gradients into `inputs` for random output gradients, which it returns."""
+    torch.testing.assert_close(ours, want, atol=1e-10, rtol=1e-10)
+    g_out, g_lse = torch.randn_like(want[0]), torch.randn_like(want[1])
+    for a, b in zip(_grads(ours, inputs, g_out, g_lse), _grads(want, inputs, g_out, g_lse)):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
+    return g_out, g_lse
+
+
 @pytest.mark.parametrize(
     "causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (5, 3)), (True, (7, 0))]
 )
@@ -59,12 +68,7 @@ def test_attn_sinks_match_dense_reference(causal, window, softcap):
     ours = flash_attn4.attn(q, k, v, causal=causal, window_size=window, softcap=softcap, sinks=sinks,
                             return_lse=True)  # fmt: skip
     want = dense_with_sinks(q, k, v, sinks, causal=causal, window=window, softcap=softcap)
-    torch.testing.assert_close(ours, want, atol=1e-10, rtol=1e-10)
-    g_out, g_lse = torch.randn_like(want[0]), torch.randn_like(want[1])
-    for a, b in zip(
-        _grads(ours, (q, k, v, sinks), g_out, g_lse), _grads(want, (q, k, v, sinks), g_out, g_lse)
-    ):
-        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
+    _assert_matches(ours, want, (q, k, v, sinks))
 
 
 def test_a_row_that_sees_no_key_gets_zero_and_the_sink():
@@ -170,12 +174,7 @@ def test_fwd_sinks_op_matches_dense_reference_and_opcheck(causal, window, softca
     left, right = window
     ours = torch.ops.flash_attn4.fwd_sinks(q, k, v, sinks, 0.25, causal, left, right, softcap, False)
     want = dense_with_sinks(q, k, v, sinks, causal=causal, window=window, softcap=softcap)
-    torch.testing.assert_close(ours, want, atol=1e-10, rtol=1e-10)
-    g_out, g_lse = torch.randn_like(want[0]), torch.randn_like(want[1])
-    for a, b in zip(
-        _grads(ours, (q, k, v, sinks), g_out, g_lse), _grads(want, (q, k, v, sinks), g_out, g_lse)
-    ):
-        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
+    g_out, g_lse = _assert_matches(ours, want, (q, k, v, sinks))
     torch.library.opcheck(torch.ops.flash_attn4.fwd_sinks.default,
                           (q, k, v, sinks, 0.25, causal, left, right, softcap, False))  # fmt: skip
     # The backward op itself is not differentiated: plain tensors.

@@ -70,6 +70,15 @@ def _run(fn, leaves, dtype, g_out):
     return [out, *grads]
 
 
+def _check_with_grads(ours_fn, ref, leaves, g_out):
+    """ours_fn in bf16 against ref(..., upcast=True) in fp64, with ref(..., upcast=False) in bf16 as the
+    same math's error: out, dq, dk, dv."""
+    ours = _run(ours_fn, leaves, torch.bfloat16, g_out)
+    truth = _run(ref, leaves, torch.float64, g_out)
+    lp = _run(lambda q, k, v: ref(q, k, v, upcast=False), leaves, torch.bfloat16, g_out)
+    _check(ours, truth, lp, ("out", "dq", "dk", "dv"))
+
+
 @pytest.mark.parametrize("hdim", list(_build_info.HDIMS) or [128])
 @pytest.mark.parametrize("mask", ["none", "causal", "window", "softcap"])
 @pytest.mark.gpu
@@ -93,10 +102,7 @@ def test_99kb_tiles_match_the_reference(cap_99kb, hdim, mask):
     def ref(q, k, v, upcast=True):
         return attention_ref(q, k, v, upcast=upcast, **ref_kw)[0]
 
-    ours = _run(lambda q, k, v: attn(q, k, v, **kw), (q, k, v), torch.bfloat16, g_out)
-    truth = _run(ref, (q, k, v), torch.float64, g_out)
-    lp = _run(lambda q, k, v: ref(q, k, v, upcast=False), (q, k, v), torch.bfloat16, g_out)
-    _check(ours, truth, lp, ("out", "dq", "dk", "dv"))
+    _check_with_grads(lambda q, k, v: attn(q, k, v, **kw), ref, (q, k, v), g_out)
 
 
 @pytest.mark.gpu
@@ -120,10 +126,7 @@ def test_99kb_tiles_packed_batches(cap_99kb):
         ]
         return torch.cat(outs)
 
-    ours = _run(ours_fn, (q, k, v), torch.bfloat16, g_out)
-    truth = _run(ref, (q, k, v), torch.float64, g_out)
-    lp = _run(lambda q, k, v: ref(q, k, v, upcast=False), (q, k, v), torch.bfloat16, g_out)
-    _check(ours, truth, lp, ("out", "dq", "dk", "dv"))
+    _check_with_grads(ours_fn, ref, (q, k, v), g_out)
 
 
 @pytest.mark.gpu
