@@ -1,22 +1,32 @@
-"""Attention dropout's random numbers: a counter-based generator (Philox4x32-10), so the keep mask of a
-call is a pure function of (seed, offset, batch, head, row, column) that a kernel can recompute anywhere
-(forward and backward, any tiling) and a test can rebuild exactly.
+"""Attention dropout's random numbers: counter-based (Philox, Salmon et al., Random123), so the keep mask of a
+call is a pure function of (seed, offset, batch, head, row, column) that a kernel recomputes wherever it needs
+it (forward and backward) and a test rebuilds exactly.
 
-    key     = (seed mod 2^32, seed >> 32)
-    counter = (column // 4, row, batch * nheads + head, offset)
-    keep(b, h, i, j) = philox(key, counter)[j % 4] >= p * 2^32      (dropped with probability p)
+    stream of (b, h):  (key, ci, cj, _) = philox4x32_10((b * nheads + h, offset, 0, 0), (seed lo, seed hi))
+    unit of (i, j):    u(x) = (x >> 4) << 3 | (x & 7)      (x and x + 8 share a unit when x % 16 < 8)
+    bits:              (w0, w1) = philox2x32_10((u(i) ^ ci, u(j) ^ cj), key)
+    keep(b, h, i, j) = 16-bit field (j >> 3) & 1 of w[(i >> 3) & 1]  >=  threshold(p) = round(p * 2^16)
 
-Each call draws (seed, offset) from torch's default generator for the device (`draw_seed`), so a call is
+One Philox2x32 call serves the four elements {i, i + 8} x {j, j + 8} of a unit: in the tensor cores'
+accumulator layout (sm80 mma.sync and sm90 WGMMA alike) those four sit in one thread both for S (rows =
+queries, the forward) and for S^T (rows = keys, the sm90 backward), so neither direction computes bits another
+thread uses. The drop probability is p rounded to a multiple of 2^-16; kept probabilities are scaled by
+exactly 1 / (1 - p).
+
+Each call draws (seed, offset) from torch's default generator for the device (`draw_rng_state`), so a call is
 reproducible under torch.manual_seed and two calls differ; the draw stays on the device (no host read), so a
-call can be captured by torch.compile and CUDA graphs. Kept probabilities are scaled by 1 / (1 - p).
+call can be captured by torch.compile and CUDA graphs.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
 
 _M0, _M1 = 0xD2511F53, 0xCD9E8D57  # Philox4x32 multipliers
+_M2 = 0xD256D193  # Philox2x32 multiplier
 _W0, _W1 = 0x9E3779B9, 0xBB67AE85  # Weyl key increments
 _MASK32 = 0xFFFFFFFF
 
@@ -33,11 +43,16 @@ def _mulhilo(a: Tensor, m: int) -> tuple[Tensor, Tensor]:
     return hi & _MASK32, lo & _MASK32
 
 
-def philox4x32(counter: tuple[Tensor, Tensor, Tensor, Tensor], key: tuple[int, int], rounds: int = 10):
-    """Philox4x32 (Salmon et al., Random123) on broadcastable int64 tensors holding 32-bit values; returns the
-    four 32-bit output words (int64 tensors)."""
-    c0, c1, c2, c3 = (torch.as_tensor(c, dtype=torch.int64) for c in counter)
-    c0, c1, c2, c3 = torch.broadcast_tensors(c0, c1, c2, c3)
+def _on_one_device(counter: tuple) -> list[Tensor]:
+    """The counter words as int64 tensors on the device of the first tensor among them."""
+    dev = next((c.device for c in counter if isinstance(c, Tensor)), torch.device("cpu"))
+    return [torch.as_tensor(c, dtype=torch.int64, device=dev) for c in counter]
+
+
+def philox4x32(counter: tuple, key: tuple, rounds: int = 10) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Philox4x32 on broadcastable int64 tensors (or ints) holding 32-bit values; returns the four 32-bit
+    output words (int64 tensors)."""
+    c0, c1, c2, c3 = torch.broadcast_tensors(*_on_one_device(counter))
     k0, k1 = key
     for r in range(rounds):
         hi0, lo0 = _mulhilo(c0, _M0)
@@ -48,6 +63,27 @@ def philox4x32(counter: tuple[Tensor, Tensor, Tensor, Tensor], key: tuple[int, i
     return c0, c1, c2, c3
 
 
+def philox2x32(counter: tuple, key, rounds: int = 10) -> tuple[Tensor, Tensor]:
+    """Philox2x32 on broadcastable int64 tensors (or ints) holding 32-bit values: the two output words."""
+    c0, c1 = torch.broadcast_tensors(*_on_one_device(counter))
+    k = key
+    for r in range(rounds):
+        hi, lo = _mulhilo(c0, _M2)
+        c0, c1 = hi ^ k ^ c1, lo
+        if r + 1 < rounds:
+            k = (k + _W0) & _MASK32
+    return c0, c1
+
+
+def threshold(p: float) -> int:
+    """The 16-bit threshold the kernels compare with: p rounded to a multiple of 2^-16 (at most 65535)."""
+    return min(math.floor(p * 65536 + 0.5), 65535)
+
+
+def _unit(x: Tensor) -> Tensor:
+    return ((x >> 4) << 3) | (x & 7)
+
+
 def keep_mask(seed: int | Tensor, offset: int | Tensor, p: float, batch: int, nheads: int, rows: Tensor,
               cols: Tensor, *, batch_start: int = 0) -> Tensor:  # fmt: skip
     """bool (batch, nheads, len(rows), len(cols)): which probabilities survive dropout p, for sequences
@@ -55,21 +91,25 @@ def keep_mask(seed: int | Tensor, offset: int | Tensor, p: float, batch: int, nh
     reference's chunk, is a slice of the call's mask)."""
     dev = rows.device
     bh = torch.arange(batch_start * nheads, (batch_start + batch) * nheads, device=dev, dtype=torch.int64)
-    bh = bh.view(batch, nheads, 1, 1)
+    seed, offset = (torch.as_tensor(x, dtype=torch.int64, device=dev) for x in (seed, offset))
+    key, ci, cj, _ = philox4x32((bh, offset & _MASK32, 0, 0), (seed & _MASK32, (seed >> 32) & _MASK32))
+    key, ci, cj = (t.view(batch, nheads, 1, 1) for t in (key, ci, cj))
     i = rows.to(torch.int64).view(1, 1, -1, 1)
     j = cols.to(torch.int64).view(1, 1, 1, -1)
-    seed, offset = (torch.as_tensor(x, dtype=torch.int64, device=dev) for x in (seed, offset))
-    words = philox4x32((j // 4, i, bh, offset & _MASK32), (seed & _MASK32, (seed >> 32) & _MASK32))
-    lane = j % 4
-    r = torch.where(
-        lane == 0, words[0], torch.where(lane == 1, words[1], torch.where(lane == 2, words[2], words[3]))
-    )
-    return r >= min(int(p * 2**32), 2**32 - 1)
+    w0, w1 = philox2x32((_unit(i) ^ ci, _unit(j) ^ cj), key)
+    word = torch.where(((i >> 3) & 1).bool(), w1, w0)
+    return ((word >> (16 * ((j >> 3) & 1))) & 0xFFFF) >= threshold(p)
+
+
+def draw_rng_state(device: torch.device) -> Tensor:
+    """int64 (2,) on `device`: (seed, offset) for one call, drawn from torch's default generator there
+    (advancing it), never read on the host. The kernels take it as a device pointer."""
+    gen = None if device.type == "cpu" else torch.cuda.default_generators[device.index or 0]
+    draws = torch.randint(0, 2**62, (2,), generator=gen, device=device)
+    return draws & torch.tensor([2**62 - 1, _MASK32], device=device)
 
 
 def draw_seed(device: torch.device) -> tuple[Tensor, Tensor]:
-    """(seed, offset) for one call: 0-dim int64 tensors on `device` drawn from torch's default generator
-    there (advancing it), never read on the host."""
-    gen = None if device.type == "cpu" else torch.cuda.default_generators[device.index or 0]
-    draws = torch.randint(0, 2**62, (2,), generator=gen, device=device)
-    return draws[0], draws[1] & _MASK32
+    """draw_rng_state as a (seed, offset) pair of 0-dim tensors."""
+    rng = draw_rng_state(device)
+    return rng[0], rng[1]

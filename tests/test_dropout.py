@@ -28,6 +28,37 @@ def test_philox_known_answers(counter, key, want):
     assert tuple(int(w) for w in words) == want
 
 
+@pytest.mark.parametrize(
+    "counter,key,want",
+    [  # Random123 kat_vectors, philox2x32_10
+        ((0, 0), 0, (0xFF1DAE59, 0x6CD10DF2)),
+        ((0xFFFFFFFF, 0xFFFFFFFF), 0xFFFFFFFF, (0x2C3F628B, 0xAB4FD7AD)),
+        ((0x243F6A88, 0x85A308D3), 0x13198A2E, (0xDD7CE038, 0xF62A4C12)),
+    ],
+)  # fmt: skip
+def test_philox2x32_known_answers(counter, key, want):
+    words = dropout.philox2x32(tuple(torch.tensor(c) for c in counter), key)
+    assert tuple(int(w) for w in words) == want
+
+
+def test_keep_mask_units_and_neighbours():
+    """The four elements {i, i + 8} x {j, j + 8} of a unit are one Philox2x32 call's four 16-bit fields; and
+    neighbours are independent: adjacent pairs are both kept at (1 - p)^2."""
+    p = 0.25
+    keep = dropout.keep_mask(5, 9, p, 1, 1, torch.arange(512), torch.arange(512))[0, 0]
+    seed, offset = torch.tensor(5), torch.tensor(9)
+    key, ci, cj, _ = dropout.philox4x32((torch.tensor(0), offset, 0, 0), (seed, torch.tensor(0)))
+    # Element (35, 67): units u(35) = 19 and u(67) = 35.
+    w0, w1 = dropout.philox2x32((torch.tensor(19 ^ int(ci)), torch.tensor(35 ^ int(cj))), int(key))
+    fields = [int(w0) & 0xFFFF, int(w0) >> 16, int(w1) & 0xFFFF, int(w1) >> 16]
+    t = dropout.threshold(p)
+    assert [bool(keep[35, 67]), bool(keep[35, 75]), bool(keep[43, 67]), bool(keep[43, 75])] == [
+        f >= t for f in fields
+    ]
+    for a, b in ((keep[:, :-1], keep[:, 1:]), (keep[:-1], keep[1:]), (keep[:, :-8], keep[:, 8:])):
+        assert abs((a & b).float().mean().item() - (1 - p) ** 2) < 0.01
+
+
 def test_keep_mask_rate_and_slices():
     rows, cols = torch.arange(300), torch.arange(257)
     keep = dropout.keep_mask(123, 7, 0.3, 2, 3, rows, cols)
@@ -116,3 +147,56 @@ def test_dropout_compiles_fullgraph_and_matches_eager():
     compiled = fn(q, k)
     torch.manual_seed(0)
     assert torch.equal(compiled, flash_attn4.attn(q, k, k, causal=True, dropout_p=0.3))
+
+
+def test_dropout_gradients_through_lse_and_packed_batches():
+    """The op's written-out backward (general_bwd_ref with the keep mask) against autograd of dense dropout:
+    a loss on out and lse, fixed-length and packed."""
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, n, 2, 16, generator=g, dtype=torch.float64) for n in (70, 90, 90))
+    p = 0.3
+    torch.manual_seed(1)
+    seed, offset = dropout.draw_seed(torch.device("cpu"))
+    keep = dropout.keep_mask(seed, offset, p, 1, 2, torch.arange(70), torch.arange(90))
+    go, gl = (
+        torch.randn(1, 70, 2, 16, generator=g, dtype=torch.float64),
+        torch.randn(1, 2, 70, generator=g, dtype=torch.float64),
+    )
+
+    def grads(fn):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, lse = fn(*leaves)
+        return torch.autograd.grad((out * go).sum() + (lse * gl).sum(), leaves)
+
+    def ours(*t):
+        torch.manual_seed(1)
+        return flash_attn4.attn(*t, causal=True, dropout_p=p, return_lse=True)
+
+    for a, b in zip(grads(ours), grads(lambda *t: dense_dropout(*t, keep, p, True))):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
+
+    def packed(*t):
+        torch.manual_seed(1)
+        cu_q, cu_k = torch.tensor([0, 70], dtype=torch.int32), torch.tensor([0, 90], dtype=torch.int32)
+        out, lse = flash_attn4.attn_varlen(*(x[0] for x in t), cu_q, cu_k, 70, 90, causal=True, dropout_p=p,
+                                           return_lse=True)  # fmt: skip
+        return out[None], lse[None]
+
+    for a, b in zip(grads(packed), grads(ours)):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_dropout_op_opcheck(packed):
+    g = torch.Generator().manual_seed(2)
+    if packed:
+        q, k, v = (torch.randn(n, 2, 16, generator=g, dtype=torch.float64) for n in (40, 50, 50))
+        seqs = (torch.tensor([0, 15, 40], dtype=torch.int32), torch.tensor([0, 30, 50], dtype=torch.int32),
+                None, None, 25, 30)  # fmt: skip
+    else:
+        q, k, v = (torch.randn(2, n, 2, 16, generator=g, dtype=torch.float64) for n in (20, 25, 25))
+        seqs = (None, None, None, None, 20, 25)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    rng = torch.tensor([123456789, 42])
+    torch.library.opcheck(torch.ops.flash_attn4.fwd_dropout.default,
+                          (*leaves, rng, 0.2, *seqs, 0.25, True, -1, -1, 0.0, False))  # fmt: skip
