@@ -21,6 +21,7 @@ struct FwdKernelEntry {
   bool local;  // sliding window (BlockMask's kLocal); never together with causal
   bool sparse;  // walks a block mask's lists (SparseList) instead of the band the mask leaves
   bool alibi;   // adds the ALiBi bias (score_bias.hpp)
+  bool dropout;  // drops probabilities (dropout.hpp)
   FwdLauncher launch;
   const char* name;
 };
@@ -31,11 +32,11 @@ extern const int kNumFwdKernels;
 
 // Returns nullptr when no instantiation matches (the binding turns that into a clear error).
 inline const FwdKernelEntry* find_fwd_kernel(int arch, DType dtype, int head_dim, bool causal, bool local,
-                                             bool sparse = false, bool alibi = false) {
+                                             bool sparse = false, bool alibi = false, bool dropout = false) {
   for (int i = 0; i < kNumFwdKernels; ++i) {
     const FwdKernelEntry& e = kFwdKernels[i];
     if (e.arch == arch && e.dtype == dtype && e.head_dim == head_dim && e.causal == causal && e.local == local &&
-        e.sparse == sparse && e.alibi == alibi) {
+        e.sparse == sparse && e.alibi == alibi && e.dropout == dropout) {
       return &e;
     }
   }
@@ -52,6 +53,7 @@ struct BwdKernelEntry {
   bool local;
   bool sparse;  // walks a block mask's transposed lists (SparseList)
   bool alibi;
+  bool dropout;
   BwdLauncher launch;
   const char* name;
 };
@@ -60,11 +62,11 @@ extern const BwdKernelEntry kBwdKernels[];
 extern const int kNumBwdKernels;
 
 inline const BwdKernelEntry* find_bwd_kernel(int arch, DType dtype, int head_dim, bool causal, bool local,
-                                             bool sparse = false, bool alibi = false) {
+                                             bool sparse = false, bool alibi = false, bool dropout = false) {
   for (int i = 0; i < kNumBwdKernels; ++i) {
     const BwdKernelEntry& e = kBwdKernels[i];
     if (e.arch == arch && e.dtype == dtype && e.head_dim == head_dim && e.causal == causal && e.local == local &&
-        e.sparse == sparse && e.alibi == alibi) {
+        e.sparse == sparse && e.alibi == alibi && e.dropout == dropout) {
       return &e;
     }
   }
@@ -95,7 +97,7 @@ inline const DecodeKernelEntry* find_decode_kernel(DType dtype, int head_dim, bo
 }
 
 // Declared here, defined (and explicitly instantiated, one combination per .cu) in launch/.
-// Iter: DenseBand / SparseList; Bias: NoBias / Alibi (sm90 only).
+// Iter: DenseBand / SparseList; Bias (the score modifier): NoBias / Alibi / Dropout (sm90 only).
 template <int Arch, DType kDType, int kHeadDim, bool kCausal, bool kLocal, class Iter = DenseBand,
           class Bias = NoBias>
 void run_fwd(const FwdParams& params, cudaStream_t stream);

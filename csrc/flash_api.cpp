@@ -184,6 +184,24 @@ bool set_alibi(P& p, const OptTensor& slopes, const Options& o, int64_t nheads_q
   return true;
 }
 
+// Dropout into p: dropout_p in [0, 1) and rng, the call's (seed, offset) as a contiguous int64 (2,) tensor on
+// q's device (flash_attn4.dropout.draw_rng_state), read by the kernels, never here. Returns whether p > 0.
+template <class P>
+bool set_dropout(P& p, double dropout_p, const OptTensor& rng, const Options& o, const at::Tensor& q) {
+  if (dropout_p == 0.0) return false;
+  TORCH_CHECK(dropout_p > 0.0 && dropout_p < 1.0, "flash_attn4: dropout_p must be in [0, 1), got " + str(dropout_p));
+  TORCH_CHECK(rng.has_value() && rng->is_cuda() && rng->device() == q.device() && rng->scalar_type() == at::kLong &&
+                  rng->numel() == 2 && rng->is_contiguous(),
+              "flash_attn4: dropout needs dropout_rng, a contiguous int64 (2,) tensor (seed, offset) on q's device "
+              "(flash_attn4.dropout.draw_rng_state)");
+  TORCH_CHECK(o.softcap == 0.f, "flash_attn4: the dropout kernels take no softcap (the PyTorch reference does)");
+  p.dropout.rng = rng->data_ptr<int64_t>();
+  // flash_attn4.dropout.threshold: p rounded to a multiple of 2^-16.
+  p.dropout.threshold = uint32_t(std::min<int64_t>(int64_t(std::floor(dropout_p * 65536.0 + 0.5)), 65535));
+  p.dropout.inv_keep = float(1.0 / (1.0 - dropout_p));
+  return true;
+}
+
 // Writes softmax(q k^T * scale + mask) v into `out` and the natural-log LSE into `lse`: (batch, hq, sq) for
 // 4-D inputs, (hq, total_q) for packed ones (cu_seqlens given: q (total_q, hq, d), k/v (total_k, hk, d)).
 void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
@@ -191,7 +209,8 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
          const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k, const OptTensor& seqused_q,
          const OptTensor& seqused_k, int64_t max_seqlen_q, int64_t max_seqlen_k, int64_t kernel_arch,
          const OptTensor& block_kv_count, const OptTensor& block_kv_index, const OptTensor& block_full_count,
-         const OptTensor& block_full_index, const OptTensor& alibi_slopes, const OptTensor& sinks) {
+         const OptTensor& block_full_index, const OptTensor& alibi_slopes, const OptTensor& sinks,
+         double dropout_p, const OptTensor& dropout_rng) {
   TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda() && out.is_cuda() && lse.is_cuda(),
               "flash_attn4: all tensors must be on a CUDA device");
   TORCH_CHECK(k.device() == q.device() && v.device() == q.device() && out.device() == q.device() &&
@@ -238,6 +257,7 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
   const bool sparse = set_block_sparse(p.block_sparse, block_kv_count, block_kv_index, block_full_count,
                                        block_full_index, o, nheads_q, q, /*transposed=*/false);
   const bool alibi = set_alibi(p, alibi_slopes, o, nheads_q, q, softmax_scale);
+  const bool dropout = set_dropout(p, dropout_p, dropout_rng, o, q);
   if (sinks.has_value()) {
     TORCH_CHECK(sinks->is_cuda() && sinks->device() == q.device() && sinks->scalar_type() == at::kFloat &&
                     sinks->dim() == 1 && sinks->numel() == nheads_q && sinks->is_contiguous(),
@@ -245,9 +265,9 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
     p.sinks = sinks->data_ptr<float>();
   }
   const flash4::FwdKernelEntry* entry =
-      flash4::find_fwd_kernel(int(kernel_arch), kdtype, int(head_dim), o.causal, o.local, sparse, alibi);
+      flash4::find_fwd_kernel(int(kernel_arch), kdtype, int(head_dim), o.causal, o.local, sparse, alibi, dropout);
   TORCH_CHECK(entry != nullptr, "flash_attn4: no compiled " + std::string(sparse ? "block-sparse " : "") +
-                                    (alibi ? "ALiBi " : "") +
+                                    (alibi ? "ALiBi " : "") + (dropout ? "dropout " : "") +
                                     "forward kernel for sm" + str(kernel_arch) + ", " +
                                     (kdtype == DType::kBF16 ? "bf16" : "fp16") + ", head_dim " + str(head_dim) +
                                     ", " + mask_name(o) +
@@ -294,7 +314,8 @@ at::Tensor bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
          int64_t window_right, double softcap, const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k,
          const OptTensor& seqused_q, const OptTensor& seqused_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
          int64_t kernel_arch, const OptTensor& block_q_count, const OptTensor& block_q_index,
-         const OptTensor& block_full_q_count, const OptTensor& block_full_q_index, const OptTensor& alibi_slopes) {
+         const OptTensor& block_full_q_count, const OptTensor& block_full_q_index, const OptTensor& alibi_slopes,
+         double dropout_p, const OptTensor& dropout_rng) {
   using TensorList = std::initializer_list<const at::Tensor*>;
   for (const at::Tensor* t : TensorList{&dout, &q, &k, &v, &out, &lse, &dq, &dk, &dv}) {
     TORCH_CHECK(t->is_cuda() && t->device() == q.device(), "flash_attn4: all tensors must be on q's CUDA device");
@@ -347,10 +368,11 @@ at::Tensor bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                                        block_full_q_index, o, nheads_q, q, /*transposed=*/true);
   TORCH_CHECK(!(sparse && deterministic), "flash_attn4: the block-sparse backward has no deterministic mode");
   const bool alibi = set_alibi(p, alibi_slopes, o, nheads_q, q, softmax_scale);
+  const bool dropout = set_dropout(p, dropout_p, dropout_rng, o, q);
   const flash4::BwdKernelEntry* entry =
-      flash4::find_bwd_kernel(int(kernel_arch), kdtype, int(head_dim), o.causal, o.local, sparse, alibi);
+      flash4::find_bwd_kernel(int(kernel_arch), kdtype, int(head_dim), o.causal, o.local, sparse, alibi, dropout);
   TORCH_CHECK(entry != nullptr, "flash_attn4: no compiled " + std::string(sparse ? "block-sparse " : "") +
-                                    (alibi ? "ALiBi " : "") +
+                                    (alibi ? "ALiBi " : "") + (dropout ? "dropout " : "") +
                                     "backward kernel for sm" + str(kernel_arch) + ", " +
                                     (kdtype == DType::kBF16 ? "bf16" : "fp16") + ", head_dim " + str(head_dim) +
                                     ", " + mask_name(o));
@@ -430,7 +452,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("max_seqlen_q") = 0, py::arg("max_seqlen_k") = 0, py::arg("kernel_arch") = 0,
         py::arg("block_kv_count") = py::none(), py::arg("block_kv_index") = py::none(),
         py::arg("block_full_count") = py::none(), py::arg("block_full_index") = py::none(),
-        py::arg("alibi_slopes") = py::none(), py::arg("sinks") = py::none());
+        py::arg("alibi_slopes") = py::none(), py::arg("sinks") = py::none(), py::arg("dropout_p") = 0.0,
+        py::arg("dropout_rng") = py::none());
   m.def("bwd", &bwd, "Attention backward into preallocated dq/dk/dv", py::arg("dout"), py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
         py::arg("softmax_scale"), py::arg("causal"), py::arg("deterministic") = false, py::arg("dlse") = py::none(),
@@ -439,7 +462,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("seqused_k") = py::none(), py::arg("max_seqlen_q") = 0, py::arg("max_seqlen_k") = 0,
         py::arg("kernel_arch") = 0, py::arg("block_q_count") = py::none(), py::arg("block_q_index") = py::none(),
         py::arg("block_full_q_count") = py::none(), py::arg("block_full_q_index") = py::none(),
-        py::arg("alibi_slopes") = py::none());
+        py::arg("alibi_slopes") = py::none(), py::arg("dropout_p") = 0.0, py::arg("dropout_rng") = py::none());
   flash4::binding::register_decode(m);
   flash4::binding::register_fp8(m);
   m.def("compiled_kernels", &compiled_kernels, "Names of the kernel instantiations in this build");

@@ -20,6 +20,12 @@ namespace flash4 {
 // kE4M3: fp8 q, k, v (forward only, sm90; output bf16).
 enum class DType : int { kFP16 = 0, kBF16 = 1, kE4M3 = 2 };
 
+struct DropoutParams {
+  const int64_t* rng = nullptr;
+  uint32_t threshold = 0;
+  float inv_keep = 1.f;
+};
+
 // What forward and backward share beyond the tensors: the score scale, packed-batch geometry, sliding
 // window, softcap. The mask kind itself (none, causal, window) is a template parameter of the kernel the
 // dispatch table picks, not a field.
@@ -50,6 +56,11 @@ struct SeqMaskParams {
   const float* alibi_slopes = nullptr;
   int64_t alibi_batch_stride = 0;
 
+  // Dropout, read by the Dropout instantiations only (common/dropout.hpp, flash_attn4/dropout.py): rng holds
+  // the call's (seed, offset) on the device; an element is kept iff its 16 random bits are >= threshold, and
+  // kept probabilities are scaled by inv_keep = 1 / (1 - p).
+  DropoutParams dropout;
+
   // How the kernels turn a raw score s = q.k into the softmax exponent, in one place for both directions:
   // exp2(t * score_scale_log2() - ...) with t = s, or with softcap t = tanh(s * softcap_scale()) (the capped
   // scaled score is softcap * t); lse_scale() turns the running max of t back into natural-log units.
@@ -74,9 +85,10 @@ struct SeqMaskParams {
 // index lists. Tags only; the dispatch table keys on them.
 struct DenseBand {};
 struct SparseList {};
-// Score biases (common/score_bias.hpp, where they are defined): none, or ALiBi.
+// Score modifiers (common/score_bias.hpp, common/dropout.hpp, where they are defined): none, ALiBi, dropout.
 struct NoBias;
 struct Alibi;
+struct Dropout;
 
 // Keys (and queries) per block of a block mask (flash_attn4/block_mask.py): the sm90 forward's query tile,
 // and a multiple of its kBlockN.

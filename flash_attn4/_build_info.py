@@ -2,7 +2,8 @@
 
 `setup.py` writes `flash_attn4/_build_config.py` (git-ignored) next to this file. It defines exactly
 `BUILT`, `REASON`, `ARCHS` (kernel families), `TARGETS` (the GPUs compiled for), `DTYPES`, `HDIMS`,
-`BLOCK_SPARSE_HDIMS`, `FP8_HDIMS`, `ALIBI_HDIMS`, `DECODE_HDIMS`, `TORCH_VERSION` and `CUDA_VERSION`. When
+`BLOCK_SPARSE_HDIMS`, `FP8_HDIMS`, `ALIBI_HDIMS`, `DROPOUT_HDIMS`, `DECODE_HDIMS`, `TORCH_VERSION` and
+`CUDA_VERSION`. When
 the file is missing (a source checkout that was never built, or an install without CUDA) every query answers
 "not built" and the Python package runs on the PyTorch reference alone.
 """
@@ -38,6 +39,8 @@ BLOCK_SPARSE_HDIMS: tuple[int, ...] = tuple(sorted(int(h) for h in getattr(_cfg,
 FP8_HDIMS: tuple[int, ...] = tuple(sorted(int(h) for h in getattr(_cfg, "FP8_HDIMS", ())))
 # Head dims with ALiBi kernels (the sm90 family, both directions; csrc/generate_kernels.py, ALIBI_ARCHS).
 ALIBI_HDIMS: tuple[int, ...] = tuple(sorted(int(h) for h in getattr(_cfg, "ALIBI_HDIMS", ())))
+# Head dims with dropout kernels (the sm90 family, both directions; csrc/generate_kernels.py, DROPOUT_ARCHS).
+DROPOUT_HDIMS: tuple[int, ...] = tuple(sorted(int(h) for h in getattr(_cfg, "DROPOUT_HDIMS", ())))
 # Head dims with decode kernels (csrc/generate_kernels.py, DECODE_HDIMS: 64, 128, 256 of those built).
 DECODE_HDIMS: tuple[int, ...] = tuple(
     sorted(int(h) for h in getattr(_cfg, "DECODE_HDIMS", [h for h in HDIMS if h in (64, 128, 256)]))

@@ -8,15 +8,18 @@
 
 namespace flash4 {
 
-// The mainloops test kEnabled before touching a bias, so NoBias needs nothing else.
+// The mainloops test kEnabled before touching a bias (and kDrops before dropping probabilities: Dropout,
+// common/dropout.hpp, shares this slot), so NoBias needs nothing else.
 struct NoBias {
   static constexpr bool kEnabled = false;
+  static constexpr bool kDrops = false;
 };
 
 // The logit of query i and key j gains -slope * |i + seqlen_k - seqlen_q - j| (bottom-right aligned, as the
 // causal mask), computed per tile from the coordinates rather than loaded.
 struct Alibi {
   static constexpr bool kEnabled = true;
+  static constexpr bool kDrops = false;
   float slope;  // in the kernel's score units: the logit slope / (softmax scale)
   int offset;   // seqlen_k - seqlen_q of the tile's sequence
 

@@ -6,6 +6,7 @@
 #include <type_traits>
 
 #include "../common/bwd_prepost.cuh"
+#include "../common/dropout.hpp"
 #include "../common/tile_size.h"
 #include "../dispatch.h"
 #include "../sm90/bwd_postprocess_sm90.hpp"
@@ -33,7 +34,7 @@ void run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   // (nearly every key tile then costs the same), take the persistent kernel, as the forward does: its static
   // schedule would not balance causal's unequal tiles. Timed at head dim 128, tested at 64, 96 and 128.
   bool persistent = false;
-  if constexpr (kLocal && !Traits::kWide && !kIsSparse<Iter> && !Bias::kEnabled) {
+  if constexpr (kLocal && !Traits::kWide && !kIsSparse<Iter> && !Bias::kEnabled && !Bias::kDrops) {
     persistent = p.cu_seqlens_q == nullptr && p.seqused_q == nullptr && p.seqused_k == nullptr &&
                  OneTile::Mainloop::tail_blocks(p) > 0;
     if (persistent) {

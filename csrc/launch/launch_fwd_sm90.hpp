@@ -2,6 +2,7 @@
 // generated instantiation .cu.
 #pragma once
 
+#include "../common/dropout.hpp"
 #include "../common/tile_size.h"
 #include "../dispatch.h"
 #include "../sm90/kernel_fwd_persistent_sm90.hpp"
@@ -58,6 +59,10 @@ void run_fwd_sm90_16bit(const FwdParams& p, cudaStream_t stream) {
   if constexpr (Bias::kEnabled) {
     // Biased scores take the one-tile-per-CTA kernel (no softcap: the binding checks).
     launch_sm90<FwdKernelSm90<Traits, kCausal, kLocal, false, Iter, Bias>>(p, stream, "forward launch (ALiBi)");
+  } else if constexpr (Bias::kDrops) {
+    // Dropout takes the one-tile-per-CTA kernel, without softcap (the binding checks: the backward's fused
+    // dropout pass has no softcap derivative).
+    launch_sm90<FwdKernelSm90<Traits, kCausal, kLocal, false, Iter, Bias>>(p, stream, "forward launch (dropout)");
   } else {
     run_fwd_sm90_unbiased<Traits, kCausal, kLocal, Iter>(p, stream);
   }
@@ -75,7 +80,7 @@ void run_fwd_sm90_fp8(const FwdParams& p, cudaStream_t stream) {
 template <DType kDType, int kHeadDim, bool kCausal, bool kLocal, class Iter = DenseBand, class Bias = NoBias>
 void run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   if constexpr (kDType == DType::kE4M3) {
-    static_assert(!kIsSparse<Iter> && !Bias::kEnabled, "no block-sparse or biased fp8 kernel");
+    static_assert(!kIsSparse<Iter> && !Bias::kEnabled && !Bias::kDrops, "no block-sparse, biased or dropout fp8 kernel");
     run_fwd_sm90_fp8<kHeadDim, kCausal, kLocal>(p, stream);
   } else {
     run_fwd_sm90_16bit<kDType, kHeadDim, kCausal, kLocal, Iter, Bias>(p, stream);

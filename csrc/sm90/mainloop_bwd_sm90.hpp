@@ -13,6 +13,7 @@
 
 #include "../common/block_info.hpp"
 #include "../common/block_sparse.hpp"
+#include "../common/dropout.hpp"
 #include "../common/fragment.hpp"
 #include "../common/sync.hpp"
 #include "../common/trace.hpp"
@@ -37,8 +38,9 @@ struct BwdSeqSm90 {
 };
 
 // Iter: the block iterator (common/block_sparse.hpp): DenseBand visits the query blocks the causal / window
-// mask leaves a key tile, SparseList those a block mask's transposed lists name. Bias: the score bias
-// (common/score_bias.hpp), NoBias or Alibi (without softcap).
+// mask leaves a key tile, SparseList those a block mask's transposed lists name. Bias: the score modifier,
+// NoBias, Alibi (common/score_bias.hpp, without softcap) or Dropout (common/dropout.hpp): with the keep mask M,
+// dV takes P o M / (1 - p) and dS = P o (dP o M / (1 - p) - D), D = rowsum(dO o O) as without dropout.
 template <class Traits_, bool kCausal, bool kLocal, class Iter = DenseBand, class Bias = NoBias>
 struct MainloopBwdSm90 {
   using Traits = Traits_;
@@ -92,6 +94,7 @@ struct MainloopBwdSm90 {
     const float* alibi_slopes;       // Alibi only (see SeqMaskParams)
     int64_t alibi_batch_stride;
     float bias_units;  // score units per logit: 1 / softmax_scale
+    DropoutParams dropout;  // Dropout only
   };
 
   // Key blocks of a (head, batch): the grid's x extent, and the launch order's block extent.
@@ -148,7 +151,8 @@ struct MainloopBwdSm90 {
             p.block_sparse,
             p.alibi_slopes,
             p.alibi_batch_stride,
-            1.f / p.softmax_scale};
+            1.f / p.softmax_scale,
+            p.dropout};
   }
 
   using Seq = BwdSeqSm90<Mask>;
@@ -166,8 +170,36 @@ struct MainloopBwdSm90 {
     if constexpr (Bias::kEnabled) {
       return Bias::make(params.alibi_slopes, params.alibi_batch_stride, seq.bidb, bidh,
                         seq.info.seqlen_k - seq.info.seqlen_q, params.bias_units);
+    } else if constexpr (Bias::kDrops) {
+      return Bias::make(params.dropout, seq.bidb, get<2>(params.shape_q), bidh);
     } else {
       return Bias{};
+    }
+  }
+
+  // dS^T from dP^T (Scores::ds_from_dp), or with dropout (keep mask M; no softcap, the binding checks), in one
+  // pass with the keep bits: dS^T = P^T o (dP^T o M / (1 - p) - D) and P^T o M / (1 - p) for dV.
+  // With dropout P^T goes to tPrP (16-bit, the dV GEMM's operand) here too, converted as each element is done, so
+  // the dropped fp32 P^T is never held (a pass of its own over P^T spilled the hdim 128 backward); without, the
+  // caller converts it.
+  template <class TS, class TP, class TC, class TC0>
+  CUTE_DEVICE static void ds_from_dp(Params const& params, Bias const& b, TS& tSrdP_rc, TS& tSrS_rc, TP& tPrP,
+                                     TC const& tScS_rc, TC0 const& tScS0_rc, const float* dpsum_s,
+                                     const float* lse_s, int n_block, int m_block) {
+    if constexpr (Bias::kDrops) {
+      Tensor tPrP_rc = make_tensor(tPrP.data(), acc_rowcol_layout(tPrP.layout()));
+      const float scale = params.dropout.inv_keep;
+      b.with_stream(params.dropout)
+          .template visit</*kRowsAreQueries=*/false>(
+              tScS_rc, tScS0_rc, n_block * kBlockN, m_block * kBlockM, params.dropout.threshold,
+              [&](int r, int c, bool kept) {
+                const float p = tSrS_rc(r, c);
+                const float dp = kept ? tSrdP_rc(r, c) * scale : 0.f;
+                tSrdP_rc(r, c) = p * (dp - dpsum_s[get<1>(tScS0_rc(r, c))]);
+                tPrP_rc(r, c) = Element(kept ? p * scale : 0.f);
+              });
+    } else {
+      Scores::ds_from_dp(params, tSrdP_rc, tSrS_rc, tScS0_rc, dpsum_s, lse_s);
     }
   }
 
@@ -370,8 +402,8 @@ struct MainloopBwdSm90 {
         Scores::probabilities(params, step_mask(seq, w, v), b, tSrS_rc, tScS_rc, tScS0_rc, lse_s, n_block, m_block);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tSrdP);
-        Scores::ds_from_dp(params, tSrdP_rc, tSrS_rc, tScS0_rc, dpsum_s, lse_s);
-        convert_fragment(tSrS, tPrP_acc);
+        ds_from_dp(params, b, tSrdP_rc, tSrS_rc, tPrP_acc, tScS_rc, tScS0_rc, dpsum_s, lse_s, n_block, m_block);
+        if constexpr (!Bias::kDrops) convert_fragment(tSrS, tPrP_acc);
         convert_fragment(tSrdP, tdSrdS_acc);
 
         // dS (queries x keys) to shared memory for the dQ GEMM. Buffer = step parity (the stage index, with
@@ -491,8 +523,8 @@ struct MainloopBwdSm90 {
         Scores::probabilities(params, step_mask(seq, w, v), b, tSrS_rc, tScS_rc, tScS0_rc, lse_s, n_block, m_block);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tSrdP);
-        Scores::ds_from_dp(params, tSrdP_rc, tSrS_rc, tScS0_rc, dpsum_s, lse_s);
-        convert_fragment(tSrS, tPrP);
+        ds_from_dp(params, b, tSrdP_rc, tSrS_rc, tPrP, tScS_rc, tScS0_rc, dpsum_s, lse_s, n_block, m_block);
+        if constexpr (!Bias::kDrops) convert_fragment(tSrS, tPrP);
         convert_fragment(tSrdP, tdSrdS);
         // Buffer = step parity (the stage index): the other warpgroup passed this step's barrier only after
         // its GEMMs of two steps ago, the last readers of this buffer, retired.

@@ -16,6 +16,7 @@
 
 #include "../common/block_info.hpp"
 #include "../common/block_sparse.hpp"
+#include "../common/dropout.hpp"
 #include "../common/mask.hpp"
 #include "../common/score_bias.hpp"
 #include "../common/softmax.hpp"
@@ -37,13 +38,15 @@ using namespace cute;
 //
 // kSoftcap: a compile-time switch (the launcher picks the instantiation at run time) because a uniform
 // run-time branch in the loop cost the plain kernels 4-5% (H200, hdim 64-256).
-// Iter: the block iterator (common/block_sparse.hpp), DenseBand or SparseList. Bias: the score bias
-// (common/score_bias.hpp), NoBias or Alibi.
+// Iter: the block iterator (common/block_sparse.hpp), DenseBand or SparseList. Bias: the score modifier,
+// NoBias, Alibi (common/score_bias.hpp) or Dropout (common/dropout.hpp: it zeroes dropped probabilities after
+// the row sums took them, and the output's normalization carries the 1 / (1 - p)).
 template <class Traits, bool kCausal, bool kLocal, bool kSoftcap, class Iter = DenseBand, class Bias = NoBias>
 struct MainloopFwdSm90 {
   using Element = typename Traits::Element;
   static constexpr bool kFp8 = Traits::kFp8;
-  static_assert(!kFp8 || (!kSoftcap && !kIsSparse<Iter> && !Bias::kEnabled), "fp8: no softcap, dense, no bias");
+  static_assert(!kFp8 || (!kSoftcap && !kIsSparse<Iter> && !Bias::kEnabled && !Bias::kDrops),
+                "fp8: no softcap, dense, no bias or dropout");
   static_assert(!(kSoftcap && Bias::kEnabled), "a score bias is added to uncapped scores only");
   // Above head dim 128, O takes 128 registers and a second 128 for the block's P V does not fit: P V goes
   // straight into O there (at head dim 128 the two forms measured the same error at 32k keys).
@@ -102,6 +105,7 @@ struct MainloopFwdSm90 {
     const float* alibi_slopes;  // Alibi only (see SeqMaskParams)
     int64_t alibi_batch_stride;
     float bias_units;  // score units per logit: 1 / softmax_scale
+    DropoutParams dropout;  // Dropout only
   };
 
   static Params to_params(FwdParams const& p) {
@@ -148,14 +152,17 @@ struct MainloopFwdSm90 {
             p.nheads_kv,
             p.alibi_slopes,
             p.alibi_batch_stride,
-            1.f / p.softmax_scale};
+            1.f / p.softmax_scale,
+            p.dropout};
   }
 
-  // The score bias of a (sequence bidb, head) tile.
+  // The score modifier of a (sequence bidb, head) tile.
   CUTE_DEVICE static Bias bias(Params const& params, SeqInfo const& seq, int bidb, int bidh) {
     if constexpr (Bias::kEnabled) {
       return Bias::make(params.alibi_slopes, params.alibi_batch_stride, bidb, bidh, seq.seqlen_k - seq.seqlen_q,
                         params.bias_units);
+    } else if constexpr (Bias::kDrops) {
+      return Bias::make(params.dropout, bidb, get<2>(params.shape_q), bidh);
     } else {
       return Bias{};
     }
@@ -403,6 +410,17 @@ struct MainloopFwdSm90 {
       }
     };
 
+    // Dropout, once the softmax has summed block v's probabilities: the dropped ones leave P (the 1 / (1 - p)
+    // is in the final normalization).
+    auto drop = [&](int v) {
+      if constexpr (Bias::kDrops) {
+        const int col0 = (kSparse ? walk.block(params.block_sparse, v) : v) * kBlockN;
+        bias.with_stream(params.dropout)
+            .template drop</*kRowsAreQueries=*/true>(tSrS_rc, tScS_rc, tScS0_rc, row0, col0,
+                                                     params.dropout.threshold, 1.f);
+      }
+    };
+
     clear(tOrO);
     decltype(softmax.template update<true>(tSrS_rc)) o_scale;
     // Lazy rescale (OnlineSoftmax::update_lazy) where O is rescaled after the softmax: O is rescaled only in
@@ -432,6 +450,7 @@ struct MainloopFwdSm90 {
     modify(n_block);
     mask(n_block);
     o_scale = softmax.template update</*first=*/true>(tSrS_rc, row_off);
+    drop(n_block);
     convert_p();
     if (thread_idx == 0) trace.stamp(TraceSlot::kFirstStep);
     if (thread_idx == 128) trace.stamp(TraceSlot::kWg1FirstStep);
@@ -460,6 +479,8 @@ struct MainloopFwdSm90 {
       warpgroup_fence_operand(tOrO);
       if constexpr (kTwoLevel) warpgroup_fence_operand(tOrOp);
       release(pipeline_v, read_v);
+      // After the wait: ahead of it, the P V GEMM's operand (32 registers) is live beside the pass.
+      drop(n);
       convert_p();
       if constexpr (kTwoLevel) add_block();
       if constexpr (!kRescaleBeforeGemm) {
@@ -514,7 +535,11 @@ struct MainloopFwdSm90 {
     if constexpr (kRescaleBeforeGemm) softmax.rescale(tOrO_rc, o_scale);
     pipeline_v.consumer_wait(read);
     gemm_pv(read.index());
-    const auto inv_sum = softmax.finalize(lse_scale, lse);
+    auto inv_sum = softmax.finalize(lse_scale, lse);
+    if constexpr (Bias::kDrops) {
+#pragma unroll
+      for (int r = 0; r < int(inv_sum.size()); ++r) inv_sum[r] *= params.dropout.inv_keep;
+    }
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
     if constexpr (kTwoLevel) warpgroup_fence_operand(tOrOp);
