@@ -159,6 +159,12 @@ def _alibi_arg(slopes: Optional[Tensor]) -> dict:
     return {"alibi_slopes": slopes.to(torch.float32).contiguous()}
 
 
+def _dropout_arg(dropout: Optional[tuple[float, Tensor]]) -> dict:
+    if dropout is None or dropout[0] == 0:
+        return {}
+    return {"dropout_p": float(dropout[0]), "dropout_rng": dropout[1].contiguous()}
+
+
 def fwd_into(
     q: Tensor,
     k: Tensor,
@@ -173,6 +179,7 @@ def fwd_into(
     blocks: Optional[dict] = None,
     alibi_slopes: Optional[Tensor] = None,
     sinks: Optional[Tensor] = None,
+    dropout: Optional[tuple[float, Tensor]] = None,
 ) -> None:
     """Run the compiled forward kernel, writing `out` and `lse`.
 
@@ -188,6 +195,8 @@ def fwd_into(
         blocks: a block mask's lists (block_kv_count, ...) for `_C.fwd`'s block-sparse kernels.
         alibi_slopes: fp32 (nheads_q,) or (batch, nheads_q) for the ALiBi kernels (no softcap).
         sinks: (nheads_q,) logits the sm90 kernels fold into out and lse (apply_sink).
+        dropout: (dropout_p, rng) for the dropout kernels, rng the call's int64 (2,) (seed, offset) on q's
+            device (flash_attn4.dropout.draw_rng_state).
     """
     ext, why = _build_info.load_extension()
     if ext is None:
@@ -220,6 +229,7 @@ def fwd_into(
         **(blocks or {}),
         **_alibi_arg(alibi_slopes),
         **({} if sinks is None else {"sinks": sinks.to(torch.float32).contiguous()}),
+        **_dropout_arg(dropout),
     )
     if out_k is not out:
         out.copy_(out_k[..., :d])
@@ -244,6 +254,7 @@ def bwd_into(
     varlen: Optional[dict] = None,
     blocks: Optional[dict] = None,
     alibi_slopes: Optional[Tensor] = None,
+    dropout: Optional[tuple[float, Tensor]] = None,
 ) -> Tensor:
     """Run the compiled backward kernel, writing dq, dk and dv. Returns the kernel's D - dlse (D = rowsum(dout
     * out)), float32: fixed-length (batch * nheads_q, rows) with rows >= seqlen_q (the first seqlen_q are the
@@ -256,7 +267,7 @@ def bwd_into(
             the sequences only).
         deterministic: bitwise-reproducible dq (key blocks add into it in a fixed order; slower).
         dlse: gradient of lse (same shape), or None for zero.
-        plan, softcap, varlen, alibi_slopes: as for `fwd_into`.
+        plan, softcap, varlen, alibi_slopes, dropout: as for `fwd_into` (dropout: the forward's p and rng).
         blocks: a block mask's transposed lists (block_q_count, ...) for `_C.bwd`'s block-sparse kernels.
     """
     ext, why = _build_info.load_extension()
@@ -296,6 +307,7 @@ def bwd_into(
         **_kernel_options(plan, softcap, varlen),
         **(blocks or {}),
         **_alibi_arg(alibi_slopes),
+        **_dropout_arg(dropout),
     )
     if dpad != d:
         dq.copy_(dq_k[..., :d])
@@ -470,4 +482,4 @@ fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 # The packed-batch ops live beside these (registered on import, as these are).
-from flash_attn4 import _ops_alibi, _ops_kvcache, _ops_sinks, _ops_sparse, _ops_varlen  # noqa: E402, F401
+from flash_attn4 import _ops_alibi, _ops_dropout, _ops_kvcache, _ops_sinks, _ops_sparse, _ops_varlen  # noqa: E402, F401

@@ -120,13 +120,14 @@ def general_varlen_ref(
 def general_bwd_ref(
     dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, *, block_mask=None,
     alibi_slopes: Tensor | None = None, causal: bool, softmax_scale: float, window_size: tuple[int, int],
-    softcap: float,
+    softcap: float, dropout_p: float = 0.0, dropout_seed: tuple = (0, 0), dropout_batch: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """Gradients of general_attention_ref (a block mask and / or ALiBi, no dropout), written out rather than
-    taken through autograd (a custom op's implementation runs below autograd): per block of query rows,
-    P from the recomputed scores, dV += P^T dO, dS = P (dP - (rowsum(dO O) - dlse)) (times 1 - tanh^2 under
-    softcap), dQ = scale dS K, dK += scale dS^T Q; GQA heads summed into their kv head. Returns dq, dk, dv in
-    the inputs' dtypes (float32 math, float64 for float64 inputs)."""
+    """Gradients of general_attention_ref (a block mask, ALiBi, dropout), written out rather than taken
+    through autograd (a custom op's implementation runs below autograd): per block of query rows, P from the
+    recomputed scores, Pd = P o M / (1 - p) with dropout's keep mask M (else P), dV += Pd^T dO,
+    dS = P (dO V^T o M / (1 - p) - (rowsum(dO O) - dlse)) (times 1 - tanh^2 under softcap), dQ = scale dS K,
+    dK += scale dS^T Q; GQA heads summed into their kv head. Returns dq, dk, dv in the inputs' dtypes (float32
+    math, float64 for float64 inputs)."""
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     g = hq // hk
@@ -166,11 +167,16 @@ def general_bwd_ref(
         lse = torch.logsumexp(torch.where(empty[..., None], torch.zeros_like(t), t), dim=-1)
         p = torch.exp(t - lse[..., None])  # 0 where masked (and on empty rows)
         do = dot[:, :, r0:r1]
-        dv += torch.matmul(p.transpose(-1, -2), do)
-        delta = (do * torch.matmul(p, vt)).sum(-1)
+        kept = 1.0
+        if dropout_p > 0:
+            kept = keep_mask(*dropout_seed, dropout_p, b, hq, rows, torch.arange(sk, device=q.device),
+                             batch_start=dropout_batch).to(cdt) / (1 - dropout_p)  # fmt: skip
+        pd = p * kept
+        dv += torch.matmul(pd.transpose(-1, -2), do)
+        delta = (do * torch.matmul(pd, vt)).sum(-1)
         if dlse is not None:
             delta = delta - dlse[:, :, r0:r1].to(cdt).masked_fill(empty, 0)
-        ds = p * (torch.matmul(do, vt.transpose(-1, -2)) - delta[..., None])
+        ds = p * (torch.matmul(do, vt.transpose(-1, -2)) * kept - delta[..., None])
         if softcap:
             ds = ds * (1 - th * th)
         ds = ds * softmax_scale

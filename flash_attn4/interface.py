@@ -10,7 +10,9 @@ import torch
 from torch import Tensor
 
 from flash_attn4 import _ops, _ops_sinks, checks, fp8  # (importing _ops registers torch.ops.flash_attn4.*)
+from flash_attn4._option_checks import _validate_alibi, _validate_block_mask, _validate_dropout
 from flash_attn4._sinks import _validate_sinks, _with_sinks
+from flash_attn4.dropout import draw_rng_state
 
 _CUDA_DTYPES = (torch.float16, torch.bfloat16)
 _CPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -127,46 +129,6 @@ def _validate_options(
         softmax_scale = 1.0 / math.sqrt(headdim)
     softmax_scale = _validate_scalar("softmax_scale", softmax_scale, allow_zero=False)
     return softmax_scale, left, right, softcap
-
-
-def _validate_block_mask(mask: Any, seqlen_q: int, seqlen_k: int, batch: int, heads: int, device,
-                         lengths: str = "seqlen_q, seqlen_k") -> None:  # fmt: skip
-    """A BlockMask built for (seqlen_q, seqlen_k) (`lengths` names them in the message), batch and heads 1
-    or the call's, on the call's device."""
-    if mask is None:
-        return
-    from flash_attn4.block_mask import BlockMask
-
-    if not isinstance(mask, BlockMask):
-        raise TypeError(f"block_mask must be a flash_attn4.BlockMask, got {type(mask).__name__}")
-    if (mask.seqlen_q, mask.seqlen_k) != (seqlen_q, seqlen_k):
-        raise ValueError(
-            f"block_mask was built for seqlen_q {mask.seqlen_q}, seqlen_k {mask.seqlen_k}; this call's "
-            f"({lengths}) are ({seqlen_q}, {seqlen_k})"
-        )
-    mb, mh = mask.shape
-    if mb not in (1, batch) or mh not in (1, heads):
-        raise ValueError(f"block_mask's (batch, heads) {(mb, mh)} must be 1 or this call's {(batch, heads)}")
-    if mask.kv_count.device != device:
-        raise ValueError(f"block_mask is on {mask.kv_count.device}, q on {device}; use block_mask.to(...)")
-
-
-def _validate_alibi(slopes: Any, batch: int, heads: int, device) -> None:
-    if slopes is None:
-        return
-    if not isinstance(slopes, Tensor) or tuple(slopes.shape) not in ((heads,), (batch, heads)):
-        raise ValueError(
-            f"alibi_slopes must be a (nheads_q,) = ({heads},) or (batch, nheads_q) = ({batch}, {heads}) "
-            f"tensor, got {tuple(slopes.shape) if isinstance(slopes, Tensor) else type(slopes).__name__}"
-        )
-    if not slopes.is_floating_point() or slopes.device != device:
-        raise TypeError(f"alibi_slopes must be a floating-point tensor on q's device {device}")
-
-
-def _validate_dropout(p: Any) -> float:
-    if isinstance(p, bool) or not isinstance(p, Real) or not 0 <= float(p) < 1:
-        raise ValueError(f"dropout_p must be a float in [0, 1), got {p!r}; pass 0.0 at inference")
-    return float(p)
 
 
 def _warn_reference(q: Tensor, **options: Any) -> None:
@@ -309,6 +271,12 @@ def attn(
         out, lse = torch.ops.flash_attn4.fwd_alibi(
             q, k, v, alibi_slopes, None, None, None, None, q.shape[1], k.shape[1], softmax_scale, causal,
             left, right, deterministic,
+        )  # fmt: skip
+    elif dropout_p > 0 and block_mask is None and alibi_slopes is None:
+        # The dropout op: sm90 kernels where built, else its own reference path (with a warning on CUDA).
+        out, lse = torch.ops.flash_attn4.fwd_dropout(
+            q, k, v, draw_rng_state(q.device), dropout_p, None, None, None, None, q.shape[1], k.shape[1],
+            softmax_scale, causal, left, right, softcap, deterministic,
         )  # fmt: skip
     elif block_mask is not None or alibi_slopes is not None or dropout_p > 0:
         out, lse = _general(q, k, v, block_mask, alibi_slopes, dropout_p, softmax_scale, causal, left, right,
@@ -458,6 +426,14 @@ def attn_varlen(
         out, lse = torch.ops.flash_attn4.fwd_alibi(
             q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
             max_seqlen_k, softmax_scale, causal, left, right, deterministic,
+        )  # fmt: skip
+        if sinks is not None:
+            out, lse = _with_sinks(out, lse, sinks, head_dim=0)
+        return (out, lse) if return_lse else out
+    if dropout_p > 0 and block_mask is None and alibi_slopes is None:
+        out, lse = torch.ops.flash_attn4.fwd_dropout(
+            q, k, v, draw_rng_state(q.device), dropout_p, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+            max_seqlen_q, max_seqlen_k, softmax_scale, causal, left, right, softcap, deterministic,
         )  # fmt: skip
         if sinks is not None:
             out, lse = _with_sinks(out, lse, sinks, head_dim=0)

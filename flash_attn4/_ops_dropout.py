@@ -1,0 +1,223 @@
+"""Attention dropout (`dropout_p`) as torch.library ops, fixed-length and packed batches in one pair:
+
+    flash_attn4::fwd_dropout(q, k, v, rng, dropout_p, cu_seqlens_q?, cu_seqlens_k?, seqused_q?, seqused_k?,
+                             max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
+                             softcap, deterministic) -> (out, lse)
+    flash_attn4::bwd_dropout(dout, dlse?, q, k, v, rng, out, lse, dropout_p, <the same>) -> (dq, dk, dv)
+
+`rng` is the call's int64 (2,) (seed, offset) on q's device (flash_attn4.dropout.draw_rng_state): an input,
+so the op is a pure function of its arguments (the backward recomputes the forward's keep mask from it) and a
+captured graph reads a fresh draw each replay. Both directions run the sm90 dropout kernels (the Dropout score
+modifier) where `kernel_plan` finds one, else the PyTorch reference (`_reference_general`), bit-identical
+keep masks either way. Layouts as in `_ops_alibi`.
+
+No `from __future__ import annotations` here: custom_op reads the schema from real annotations.
+"""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from flash_attn4 import _build_info
+from flash_attn4._ops import (
+    _grad_like,
+    _in_grad_layout,
+    _kernel_plan,
+    _lse_dtype,
+    _Plan,
+    _warn_once,
+    bwd_into,
+    fwd_into,
+)  # fmt: skip
+from flash_attn4._ops_varlen import _varlen_args
+
+
+def kernel_plan(
+    q: Tensor, k: Tensor, v: Tensor, packed: bool, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+    window_left: int, window_right: int, softcap: float,
+) -> tuple[Optional[_Plan], str]:  # fmt: skip
+    """The plan of a dropout call when a dropout kernel can serve it, else (None, why; "" if nothing to
+    do)."""
+    if packed and k.shape[0] == 0:
+        return None, ""
+    sq, sk = (max_seqlen_q, max_seqlen_k) if packed else (q.shape[1], k.shape[1])
+    plan, why = _kernel_plan(q, sq, sk, causal, window_left, window_right, v.shape[-1])
+    if plan is None:
+        return None, why
+    if plan.arch != 90 or _build_info.padded_hdim(q.shape[-1]) not in _build_info.DROPOUT_HDIMS or softcap:
+        return None, (
+            f"the dropout kernels are sm90 ones without softcap, built at head dims "
+            f"{_build_info.DROPOUT_HDIMS or '(none)'} (this call: sm{plan.arch}, head dim {q.shape[-1]}"
+            f"{', softcap' if softcap else ''}); the PyTorch reference runs"
+        )
+    return plan, ""
+
+
+def _varlen(packed, cu_q, cu_k, used_q, used_k, max_q, max_k) -> Optional[dict]:
+    return _varlen_args(cu_q, cu_k, used_q, used_k, max_q, max_k) if packed else None
+
+
+def _opts(p, rng, scale, causal, left, right, softcap) -> dict:
+    return dict(causal=causal, softmax_scale=scale, window_size=(left, right), softcap=softcap, dropout_p=p,
+                dropout_seed=(rng[0], rng[1]))  # fmt: skip
+
+
+def _reference_fwd(q, k, v, rng, p, cu_q, cu_k, used_q, used_k, scale, causal, left, right, softcap):
+    from flash_attn4._reference_general import general_attention_ref, general_varlen_ref
+
+    opts = _opts(p, rng, scale, causal, left, right, softcap)
+    if cu_q is None:
+        return general_attention_ref(q, k, v, **opts)
+    return general_varlen_ref(q, k, v, cu_q, cu_k, seqused_q=used_q, seqused_k=used_k, **opts)
+
+
+def _reference_bwd(
+    dout, dlse, q, k, v, rng, p, cu_q, cu_k, used_q, used_k, scale, causal, left, right, softcap
+):
+    """general_bwd_ref, per sequence for a packed batch (offsets read on the host; sequence b is batch b of
+    the keep mask)."""
+    from flash_attn4._reference_general import general_bwd_ref
+    from flash_attn4.reference import _varlen_segments
+
+    opts = _opts(p, rng, scale, causal, left, right, softcap)
+    if cu_q is None:
+        return general_bwd_ref(dout, dlse, q, k, v, **opts)
+    dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))
+    for b, (q0, nq, k0, nk) in enumerate(_varlen_segments(cu_q, cu_k, used_q, used_k)):
+        if nq == 0 or nk == 0:
+            continue
+        dl_b = None if dlse is None else dlse[None, :, q0 : q0 + nq]
+        g = general_bwd_ref(dout[None, q0:q0 + nq], dl_b, q[None, q0:q0 + nq], k[None, k0:k0 + nk],
+                            v[None, k0:k0 + nk], dropout_batch=b, **opts)  # fmt: skip
+        dq[q0 : q0 + nq] = g[0][0]
+        dk[k0 : k0 + nk] += g[1][0]
+        dv[k0 : k0 + nk] += g[2][0]
+    return dq, dk, dv
+
+
+@torch.library.custom_op("flash_attn4::fwd_dropout", mutates_args=())
+def fwd_dropout(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    rng: Tensor,
+    dropout_p: float,
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k: Optional[Tensor],
+    seqused_q: Optional[Tensor],
+    seqused_k: Optional[Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    deterministic: bool,
+) -> tuple[Tensor, Tensor]:
+    """Dropout forward -> out like q, lse (b, hq, sq) or packed (hq, total_q) of the probabilities before
+    dropout; float32 (float64 for float64 inputs on the reference). `deterministic` is the backward's."""
+    packed = cu_seqlens_q is not None
+    plan, why = kernel_plan(q, k, v, packed, max_seqlen_q, max_seqlen_k, causal, window_left, window_right,
+                            softcap)  # fmt: skip
+    if plan is None:
+        if why and q.is_cuda:
+            _warn_once(why)
+        out, lse = _reference_fwd(q, k, v, rng, dropout_p, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                                  softmax_scale, causal, window_left, window_right, softcap)  # fmt: skip
+        return out.contiguous(), lse.contiguous()
+    if packed:  # the kernel writes the sequences' rows only
+        out = torch.zeros_like(q, memory_format=torch.contiguous_format)
+        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+    else:
+        b, sq, hq, d = q.shape
+        out = q.new_empty(b, sq, hq, d)
+        lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
+    varlen = _varlen(packed, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)
+    fwd_into(q, k, v, out, lse, softmax_scale, plan, varlen=varlen, dropout=(dropout_p, rng))
+    return out, lse
+
+
+@fwd_dropout.register_fake
+def _fwd_fake(q, k, v, rng, dropout_p, cu_seqlens_q, *rest):
+    if cu_seqlens_q is not None:
+        total_q, hq, _ = q.shape
+        return q.new_empty(total_q, hq, v.shape[-1]), q.new_empty(hq, total_q, dtype=_lse_dtype(q.dtype))
+    b, sq, hq, _ = q.shape
+    return q.new_empty(b, sq, hq, v.shape[-1]), q.new_empty(b, hq, sq, dtype=_lse_dtype(q.dtype))
+
+
+@torch.library.custom_op("flash_attn4::bwd_dropout", mutates_args=())
+def bwd_dropout(
+    dout: Tensor,
+    dlse: Optional[Tensor],
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    rng: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    dropout_p: float,
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k: Optional[Tensor],
+    seqused_q: Optional[Tensor],
+    seqused_k: Optional[Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    deterministic: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of fwd_dropout (through lse too), with the forward's keep mask recomputed from rng: the
+    dropout backward kernel where kernel_plan finds one, else the reference's, written out
+    (general_bwd_ref)."""
+    packed = cu_seqlens_q is not None
+    plan, why = kernel_plan(q, k, v, packed, max_seqlen_q, max_seqlen_k, causal, window_left, window_right,
+                            softcap)  # fmt: skip
+    if plan is not None and lse.dtype == torch.float32:
+        if packed:  # zeros: the kernel writes only rows inside the sequences
+            dq, dk, dv = (torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+        else:
+            dq, dk, dv = (_grad_like(t) for t in (q, k, v))
+        varlen = _varlen(packed, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)
+        bwd_into(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, plan, deterministic, dlse, varlen=varlen,
+                 dropout=(dropout_p, rng))  # fmt: skip
+        return dq, dk, dv
+    if why and q.is_cuda:
+        _warn_once(why)
+    grads = _reference_bwd(dout, dlse, q, k, v, rng, dropout_p, cu_seqlens_q, cu_seqlens_k, seqused_q,
+                           seqused_k, softmax_scale, causal, window_left, window_right, softcap)  # fmt: skip
+    if packed:
+        return tuple(g.contiguous() for g in grads)
+    return tuple(_in_grad_layout(g, t) for g, t in zip(grads, (q, k, v)))
+
+
+@bwd_dropout.register_fake
+def _bwd_fake(dout, dlse, q, k, v, rng, out, lse, dropout_p, cu_seqlens_q, *rest):
+    if cu_seqlens_q is not None:
+        return tuple(t.new_empty(t.shape) for t in (q, k, v))
+    return _grad_like(q), _grad_like(k), _grad_like(v)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, rng, p, cu_q, cu_k, used_q, used_k, *args = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, rng, out, lse)
+    ctx.p = p
+    ctx.seqs = (cu_q, cu_k, used_q, used_k)  # int32 offsets: never differentiated
+    ctx.args = tuple(args)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dout: Optional[Tensor], dlse: Optional[Tensor]):
+    q, k, v, rng, out, lse = ctx.saved_tensors
+    dout = torch.zeros_like(out) if dout is None else dout
+    dq, dk, dv = bwd_dropout(dout, dlse, q, k, v, rng, out, lse, ctx.p, *ctx.seqs, *ctx.args)
+    return (dq, dk, dv) + (None,) * 14
+
+
+fwd_dropout.register_autograd(_backward, setup_context=_setup_context)
