@@ -44,7 +44,10 @@ FP8_IMPLS = ["flash_attn4_fp8", "flash_attn4", "fa4_cute", "sdpa_cudnn", "fp8_ma
 # Only when asked for: what an option costs beside the plain kernels.
 # flash_attn4_99kb: our kernels under FLASH_ATTN4_SMEM_CAP=101376, the tiles of a 99 KB card (sm86 / 89 /
 # 120); beside flash_attn4 on the Ampere path (FLASH_ATTN4_FORCE_SM80=1 on Hopper) it is what the cap costs.
-OPTIONAL_IMPLS = ["flash_attn4_sinks", "flash_attn4_alibi", "flash_attn4_99kb"]
+# flash_attn4_dropout / sdpa_cudnn_dropout: attention dropout at DROPOUT_P, ours and cuDNN's (FA4 has none).
+OPTIONAL_IMPLS = ["flash_attn4_sinks", "flash_attn4_alibi", "flash_attn4_99kb", "flash_attn4_dropout"]
+OPTIONAL_IMPLS += ["sdpa_cudnn_dropout"]
+DROPOUT_P = 0.1
 SMEM_99KB = "101376"
 HDIMS = [64, 128, 256]
 SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
@@ -213,17 +216,28 @@ def make_impl(name: str, q, k, v, causal: bool, bwd: bool = False, deterministic
             q, k, v, causal=causal, deterministic=deterministic, alibi_slopes=slopes
         )
         layout, ctx = (lambda t: t), contextlib.nullcontext
+    elif name == "flash_attn4_dropout":  # the dropout kernels (their cost beside the plain ones)
+        from flash_attn4 import _build_info, attn
+
+        if _build_info.padded_hdim(q.shape[-1]) not in _build_info.DROPOUT_HDIMS:
+            built = _build_info.DROPOUT_HDIMS
+            raise RuntimeError(f"no dropout kernel at head dim {q.shape[-1]} ({built} built)")
+        fwd = lambda q, k, v: attn(  # noqa: E731
+            q, k, v, causal=causal, deterministic=deterministic, dropout_p=DROPOUT_P
+        )
+        layout, ctx = (lambda t: t), contextlib.nullcontext
     elif name == "fa4_cute":
         from flash_attn.cute import flash_attn_func
 
         fwd = lambda q, k, v: flash_attn_func(q, k, v, causal=causal)  # noqa: E731
         layout, ctx = (lambda t: t), contextlib.nullcontext
-    elif name in ("sdpa_cudnn", "sdpa_flash"):
+    elif name in ("sdpa_cudnn", "sdpa_flash", "sdpa_cudnn_dropout"):
         from torch.nn.attention import SDPBackend, sdpa_kernel
         from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-        backend = SDPBackend.CUDNN_ATTENTION if name == "sdpa_cudnn" else SDPBackend.FLASH_ATTENTION
-        fwd = lambda q, k, v: sdpa(q, k, v, is_causal=causal)  # noqa: E731
+        backend = SDPBackend.FLASH_ATTENTION if name == "sdpa_flash" else SDPBackend.CUDNN_ATTENTION
+        p = DROPOUT_P if name == "sdpa_cudnn_dropout" else 0.0
+        fwd = lambda q, k, v: sdpa(q, k, v, is_causal=causal, dropout_p=p)  # noqa: E731
         # sdpa_kernel's context manager is single-use: a new one for every timed round.
         layout, ctx = (lambda t: t.transpose(1, 2).contiguous()), (lambda: sdpa_kernel(backend))
     else:
