@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from flash_attn4 import _ops_varlen
-from flash_attn4.distributed import _merge, _ring_backward_loop, _ring_forward_loop, _world
+from flash_attn4.distributed import _merge, _pairs, _ring_backward_loop, _ring_forward_loop, _world
 
 
 def zigzag_shard_varlen(x: Tensor, cu_seqlens: Tensor, *, group=None) -> tuple[Tensor, Tensor, int]:
@@ -69,23 +69,52 @@ def _halves(cu: list[int], device) -> tuple[Tensor, Tensor]:
 
 
 class _Layout:
-    """The shard's sub-blocks: (query rows, key rows, causal, cu_seqlens, max length) that rank r computes
-    against the block of rank `owner`; rows None = all."""
+    """The shard's sub-blocks that rank r computes against the block of rank `owner`: (query rows, key rows,
+    causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window left, window right), one packed
+    kernel call each; rows None = all."""
 
-    def __init__(self, cu_seqlens: Tensor, max_len: int, causal: bool, world: int):
+    def __init__(self, cu_seqlens: Tensor, max_len: int, causal: bool, world: int, window=(-1, -1)):
         self.cu, self.max_len, self.causal, self.world = cu_seqlens, int(max_len), causal, world
+        self.window = tuple(window)
         if causal:
             self.halves = _halves(cu_seqlens.tolist(), cu_seqlens.device)
             self.cu_half = torch.div(cu_seqlens, 2, rounding_mode="floor").to(torch.int32)
 
     def blocks(self, r: int, owner: int):
+        if self.window != (-1, -1):
+            return self._window_blocks(r, owner)
         if not self.causal:
-            return [(None, None, False, self.cu, self.max_len)]
+            return [(None, None, False, self.cu, self.cu, self.max_len, self.max_len, -1, -1)]
         w, (first, second) = self.world, self.halves
         q_chunks = ((r, first), (2 * w - 1 - r, second))
         k_chunks = ((owner, first), (2 * w - 1 - owner, second))
         half = self.max_len // 2
-        return [(qi, ki, a == c, self.cu_half, half) for a, qi in q_chunks for c, ki in k_chunks if a >= c]
+        return [(qi, ki, a == c, self.cu_half, self.cu_half, half, half, -1, -1)
+                for a, qi in q_chunks for c, ki in k_chunks if a >= c]  # fmt: skip
+
+    def _window_blocks(self, r: int, owner: int):
+        """Windows: every sequence's zigzag chunk pairs trimmed to the band (distributed._pairs), whose
+        windows depend on the sequence's chunk length. Blocks with the same window and chunk pair (so no
+        query row twice) share one call, each block a sequence of it; a block the band misses is skipped."""
+        groups: dict[tuple, list] = {}
+        cu = self.cu.tolist()
+        for a, b in zip(cu, cu[1:]):
+            n, half = b - a, (b - a) // 2
+            if n == 0:
+                continue
+            for qs, ks, wl, wr in _pairs(r, owner, self.world, self.causal, n, n, *self.window, zigzag=True):
+                key = (wl, wr, qs.start >= half, ks.start >= half)
+                groups.setdefault(key, []).append((a + qs.start, a + qs.stop, a + ks.start, a + ks.stop))
+        out = []
+        dev = self.cu.device
+        for (wl, wr, _, _), blocks in groups.items():
+            qi = torch.cat([torch.arange(q0, q1) for q0, q1, _, _ in blocks]).to(dev)
+            ki = torch.cat([torch.arange(k0, k1) for _, _, k0, k1 in blocks]).to(dev)
+            lq, lk = [q1 - q0 for q0, q1, _, _ in blocks], [k1 - k0 for _, _, k0, k1 in blocks]
+            cu_q, cu_k = (torch.tensor([0, *torch.tensor(ls).cumsum(0).tolist()], dtype=torch.int32,
+                                       device=dev) for ls in (lq, lk))  # fmt: skip
+            out.append((qi, ki, False, cu_q, cu_k, max(lq), max(lk), wl, wr))
+        return out
 
 
 def _rows(t: Tensor, idx) -> Tensor:
@@ -103,9 +132,9 @@ def _ring_fwd(q, k, v, layout, scale, softcap, group):
     lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=cdt, device=q.device)
 
     def step(owner, kb, vb):
-        for qi, ki, c, cu, mx in layout.blocks(r, owner):
+        for qi, ki, c, cu_q, cu_k, mq, mk, wl, wr in layout.blocks(r, owner):
             o, l_ = _ops_varlen.fwd_varlen(
-                _rows(q, qi), _rows(kb, ki), _rows(vb, ki), cu, cu, None, None, mx, mx, scale, c, -1, -1,
+                _rows(q, qi), _rows(kb, ki), _rows(vb, ki), cu_q, cu_k, None, None, mq, mk, scale, c, wl, wr,
                 softcap, False,
             )  # fmt: skip
             o_m, l_m = _merge(_rows(out, qi)[None], _cols(lse, qi)[None], o.to(cdt)[None], l_.to(cdt)[None])
@@ -125,12 +154,12 @@ def _ring_bwd(dout, dlse, q, k, v, out, lse, layout, scale, softcap, group):
     dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
 
     def step(owner, kb, vb, dkb, dvb):
-        for qi, ki, c, cu, mx in layout.blocks(r, owner):
+        for qi, ki, c, cu_q, cu_k, mq, mk, wl, wr in layout.blocks(r, owner):
             dl = None if dlse is None else _cols(dlse, qi).contiguous()
             gq, gk, gv = _ops_varlen.bwd_varlen(
                 _rows(dout, qi).contiguous(), dl, _rows(q, qi), _rows(kb, ki), _rows(vb, ki),
-                _rows(out, qi).contiguous(), _cols(lse, qi).contiguous(), cu, cu, None, None, mx, mx, scale,
-                c, -1, -1, softcap, False,
+                _rows(out, qi).contiguous(), _cols(lse, qi).contiguous(), cu_q, cu_k, None, None, mq, mk,
+                scale, c, wl, wr, softcap, False,
             )  # fmt: skip
             for acc, idx, g in ((dq, qi, gq), (dkb, ki, gk), (dvb, ki, gv)):
                 if idx is None:
@@ -162,12 +191,15 @@ class _RingAttnVarlen(torch.autograd.Function):
 
 def ring_attn_varlen(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, *, group=None, causal: bool = False,
-    softmax_scale: float | None = None, softcap: float = 0.0, return_lse: bool = False,
+    softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+    return_lse: bool = False,
 ):  # fmt: skip
     """Self-attention of this rank's shard of a packed batch over the whole sharded batch. q (total_shard,
     nheads_q, d), k / v (total_shard, nheads_kv, d), cu_seqlens (batch + 1,) int32 and max_seqlen: the
-    shard's (the same on every rank; `zigzag_shard_varlen` gives them). causal=True needs zigzag shards;
-    otherwise any equal split of every sequence works. Returns this rank's out (total_shard, nheads_q, d)
+    shard's (the same on every rank; `zigzag_shard_varlen` gives them). causal=True and windows need zigzag
+    shards; otherwise any equal split of every sequence works. window_size as for `attn_varlen` over each
+    whole sequence: a chunk pair the window misses is skipped, one it cuts runs trimmed, with the chunk
+    pairs of equal windows in one call. Returns this rank's out (total_shard, nheads_q, d)
     (and lse (nheads_q, total_shard)); differentiable in q, k, v and through lse. Reads cu_seqlens on the
     host."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -180,10 +212,16 @@ def ring_attn_varlen(
     cu = cu_seqlens.tolist()
     if cu[0] != 0 or cu[-1] != q.shape[0] or any(b < a for a, b in zip(cu, cu[1:])):
         raise ValueError(f"cu_seqlens must run from 0 to the shard's {q.shape[0]} rows, non-decreasing")
-    if causal and any((b - a) % 2 for a, b in zip(cu, cu[1:])):
-        raise ValueError("causal ring_attn_varlen takes zigzag shards (two equal chunks a sequence)")
+    from flash_attn4.interface import _validate_window
+
+    window = _validate_window(window_size, causal)
+    window = (-1, -1) if window == (-1, 0 if causal else -1) else window  # causal alone: no window
+    if (causal or window != (-1, -1)) and any((b - a) % 2 for a, b in zip(cu, cu[1:])):
+        raise ValueError(
+            "causal or windowed ring_attn_varlen takes zigzag shards (two equal chunks a sequence)"
+        )
     _, w = _world(group)
-    layout = _Layout(cu_seqlens.to(q.device), max(int(max_seqlen), 1), bool(causal), w)
+    layout = _Layout(cu_seqlens.to(q.device), max(int(max_seqlen), 1), bool(causal), w, window)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     out, lse = _RingAttnVarlen.apply(q, k, v, layout, scale, float(softcap), group)
     return (out, lse) if return_lse else out

@@ -98,14 +98,16 @@ def _band_block(lo: int | None, hi: int | None, nq: int, nk: int):
     return slice(q0, q1), slice(k0, k1), left, right
 
 
-def _pairs(r: int, owner: int, w: int, causal: bool, sq: int, sk: int, left: int = -1, right: int = -1):
+def _pairs(r: int, owner: int, w: int, causal: bool, sq: int, sk: int, left: int = -1, right: int = -1,
+           zigzag: bool | None = None):  # fmt: skip
     """The (query slice, key slice, window left, window right) sub-blocks rank r computes against the block
     of rank `owner`, for a global window (left, right) (causal: right 0). Contiguous shards: one block,
-    queries from r * sq, keys from owner * sk. Zigzag (causal): rank r's queries are chunks (r, 2w-1-r),
-    owner's keys chunks (owner, 2w-1-owner), each sq / 2 long; chunk a sees chunk c fully when a > c (unless
-    the window cuts it), causally when a == c, not at all when a < c."""
+    queries from r * sq, keys from owner * sk. Zigzag (causal, or `zigzag`): rank r's queries are chunks
+    (r, 2w-1-r), owner's keys chunks (owner, 2w-1-owner), each sq / 2 long; chunk a sees chunk c fully when
+    a > c (unless the window cuts it), causally when a == c, not at all when a < c."""
     if causal:
         right = 0
+    if causal if zigzag is None else zigzag:
         hq, hk = sq // 2, sk // 2
         q_chunks = ((r * hq, slice(0, hq)), ((2 * w - 1 - r) * hq, slice(hq, sq)))
         k_chunks = ((owner * hk, slice(0, hk)), ((2 * w - 1 - owner) * hk, slice(hk, sk)))

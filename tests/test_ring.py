@@ -114,7 +114,7 @@ def test_band_block_covers_the_band_exactly(nq, nk):
             assert torch.equal(got, want), (lo, hi, block)
 
 
-def _varlen_worker(rank: int, world: int, port: int, causal: bool, result_dir: str) -> None:
+def _varlen_worker(rank: int, world: int, port: int, causal: bool, result_dir: str, window=(-1, -1)) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -129,11 +129,12 @@ def _varlen_worker(rank: int, world: int, port: int, causal: bool, result_dir: s
         shard = lambda t: zigzag_shard_varlen(t, cu)[0]  # noqa: E731
         _, cu_local, max_local = zigzag_shard_varlen(q, cu)
         ql, kl, vl = (shard(t).clone().requires_grad_() for t in (q, k, v))
-        out, lse = ring_attn_varlen(ql, kl, vl, cu_local, max_local, causal=causal, return_lse=True)
+        out, lse = ring_attn_varlen(ql, kl, vl, cu_local, max_local, causal=causal, window_size=window,
+                                    return_lse=True)  # fmt: skip
         ((out * shard(dout)).sum() + (lse * shard(dlse.T).T).sum()).backward()
         qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
         ref, ref_lse = flash_attn4.attn_varlen(qf, kf, vf, cu, cu, max(lens), max(lens), causal=causal,
-                                               return_lse=True)  # fmt: skip
+                                               window_size=window, return_lse=True)  # fmt: skip
         ((ref * dout).sum() + (ref_lse * dlse).sum()).backward()
         torch.testing.assert_close(out, shard(ref), atol=1e-10, rtol=1e-10)
         torch.testing.assert_close(lse, shard(ref_lse.T).T, atol=1e-10, rtol=1e-10)
@@ -153,3 +154,14 @@ def _varlen_worker(rank: int, world: int, port: int, causal: bool, result_dir: s
 def test_ring_attn_varlen_equals_whole_batch_attn_varlen(tmp_path, world, causal):
     mp.spawn(_varlen_worker, args=(world, _free_port(), causal, str(tmp_path)), nprocs=world, join=True)
     assert sorted(os.listdir(tmp_path)) == [f"ok{r}" for r in range(world)]
+
+
+# Windows: sequences of 4 to 20 tokens (chunks of 1 to 5 on 2 ranks) against windows that skip, cut and
+# reach past a chunk, so the chunk pairs of one call carry different trims.
+WINDOWS = [(False, (7, 3)), (True, (5, 0)), (False, (-1, 4)), (True, (30, 0))]
+
+
+@pytest.mark.parametrize("causal,window", WINDOWS)
+def test_ring_attn_varlen_with_a_window_equals_whole_batch(tmp_path, causal, window):
+    mp.spawn(_varlen_worker, args=(2, _free_port(), causal, str(tmp_path), window), nprocs=2, join=True)
+    assert sorted(os.listdir(tmp_path)) == ["ok0", "ok1"]
