@@ -200,3 +200,43 @@ def test_dropout_op_opcheck(packed):
     rng = torch.tensor([123456789, 42])
     torch.library.opcheck(torch.ops.flash_attn4.fwd_dropout.default,
                           (*leaves, rng, 0.2, *seqs, 0.25, True, -1, -1, 0.0, False))  # fmt: skip
+
+
+def test_kernel_bits_match_the_spec(tmp_path):
+    """tests/cpp/test_dropout_bits.cpp runs the kernels' dropout code (csrc/common/dropout.hpp) on the host
+    through the real sm90 accumulator partitions, every thread of the forward's S and the backward's S^T tile
+    at head dim 128; the masks it prints must be keep_mask's bit for bit. Skipped without nvcc / CUTLASS."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "csrc"))
+    import build_flags
+
+    nvcc = shutil.which("nvcc") or (
+        "/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None
+    )
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    try:
+        includes = [f"-I{p}" for p in build_flags.include_dirs()]
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    exe = tmp_path / "test_dropout_bits"
+    src = root / "tests" / "cpp" / "test_dropout_bits.cpp"
+    cmd = [nvcc, "-std=c++17", "-O1", "-x", "cu", "--expt-relaxed-constexpr",
+           "-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED", *includes, str(src), "-o", str(exe)]  # fmt: skip
+    build = subprocess.run(cmd, capture_output=True, text=True)
+    assert build.returncode == 0, build.stdout + build.stderr
+    p, (seed, offset), (b, h, heads), (q0, k0) = 0.17, (2**61 + 12345, 77), (1, 2, 3), (256, 384)
+    args = [seed, offset, dropout.threshold(p), b, heads, h, q0, k0]
+    run = subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.split()
+    for name, rows, bits in (("fwd", 128, lines[3]), ("bwd", 64, lines[7])):
+        rows_q, cols_k = torch.arange(q0, q0 + rows), torch.arange(k0, k0 + 128)
+        keep = dropout.keep_mask(seed, offset, p, 1, heads, rows_q, cols_k, batch_start=b)[0, h]
+        want = "".join("1" if x else "0" for x in keep.flatten().tolist())
+        assert bits == want, f"{name}: {sum(a != c for a, c in zip(bits, want))} of {len(want)} bits differ"

@@ -48,12 +48,12 @@ struct Dropout {
   uint32_t bh;  // batch * nheads + head
   uint32_t key, ci, cj;  // the stream, set by with_stream
 
-  CUTE_DEVICE static Dropout make(DropoutParams const&, int bidb, int nheads, int bidh) {
+  CUTE_HOST_DEVICE static Dropout make(DropoutParams const&, int bidb, int nheads, int bidh) {
     return {uint32_t(bidb * nheads + bidh), 0u, 0u, 0u};
   }
 
   // A copy with the stream of this (batch, head), from the call's (seed, offset) on the device.
-  CUTE_DEVICE Dropout with_stream(DropoutParams const& d) const {
+  CUTE_HOST_DEVICE Dropout with_stream(DropoutParams const& d) const {
     const uint64_t seed = uint64_t(d.rng[0]);
     const uint32_t offset = uint32_t(d.rng[1]);
     const uint4 w = philox4x32_10(make_uint4(bh, offset, 0u, 0u), uint32_t(seed), uint32_t(seed >> 32));
@@ -62,7 +62,7 @@ struct Dropout {
 
   // The unit of (query i0, key j0), i0 % 16 < 8 and j0 % 16 < 8. `key` is the stream's key, passed through
   // an empty asm by keep_bits so that the ten round keys are derived per call, not held across the mainloop.
-  CUTE_DEVICE uint2 unit_bits(int i0, int j0, uint32_t key_) const {
+  CUTE_HOST_DEVICE uint2 unit_bits(int i0, int j0, uint32_t key_) const {
     auto unit = [](int x) { return ((uint32_t(x) >> 4) << 3) | (uint32_t(x) & 7u); };
     return philox2x32_10(unit(i0) ^ ci, unit(j0) ^ cj, key_);
   }
@@ -76,7 +76,7 @@ struct Dropout {
   // of the unit kChains before it, so ptxas does not interleave all of a tile's Philox chains (3-4 registers
   // each) and derives the ten round keys per call instead of holding them.
   template <bool kRowsAreQueries, int kChains = 2, class TC, class TC0, class F>
-  CUTE_DEVICE void for_each_keep(TC const& tC, TC0 const& tC0, int row0, int col0, uint32_t threshold,
+  CUTE_HOST_DEVICE void for_each_keep(TC const& tC, TC0 const& tC0, int row0, int col0, uint32_t threshold,
                                  F&& f) const {
     using cute::get;
     const int row_thr = row0 + get<0>(tC(0, 0)) - get<0>(tC0(0, 0));
