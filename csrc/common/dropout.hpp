@@ -60,8 +60,8 @@ struct Dropout {
     return {bh, w.x, w.y, w.z};
   }
 
-  // The unit of (query i0, key j0), i0 % 16 < 8 and j0 % 16 < 8. `key` is the stream's key, passed through
-  // an empty asm by keep_bits so that the ten round keys are derived per call, not held across the mainloop.
+  // The unit of (query i0, key j0), i0 % 16 < 8 and j0 % 16 < 8, under the stream's key as for_each_keep
+  // passes it (through an empty asm, so the ten round keys are derived per call, not held across the loop).
   CUTE_HOST_DEVICE uint2 unit_bits(int i0, int j0, uint32_t key_) const {
     auto unit = [](int x) { return ((uint32_t(x) >> 4) << 3) | (uint32_t(x) & 7u); };
     return philox2x32_10(unit(i0) ^ ci, unit(j0) ^ cj, key_);
@@ -73,8 +73,7 @@ struct Dropout {
   // per element, the coordinates spilled the backward). Needs the stream (with_stream).
   //
   // At most kChains units are in flight: each unit's key passes through an empty asm that also takes the result
-  // of the unit kChains before it, so ptxas does not interleave all of a tile's Philox chains (3-4 registers
-  // each) and derives the ten round keys per call instead of holding them.
+  // of the unit kChains before it, which bounds the registers a tile's Philox chains (3-4 each) can take.
   template <bool kRowsAreQueries, int kChains = 2, class TC, class TC0, class F>
   CUTE_HOST_DEVICE void for_each_keep(TC const& tC, TC0 const& tC0, int row0, int col0, uint32_t threshold,
                                  F&& f) const {
@@ -116,13 +115,6 @@ struct Dropout {
                                    [&](int r, int c, bool kept) { x(r, c) = kept ? x(r, c) * scale : 0.f; });
   }
 
-  // The backward, once dP is ready, in one pass with the dS math: f(r, c, kept) per element (the mainloop's
-  // dS = P o (dP o M / (1 - p) - D) and P o M / (1 - p) for dV). In place of a keep-bit array or a tagged P:
-  // either, held across the dS math, spilled the hdim 128 backward (a pass of its own over P pushed ptxas there).
-  template <bool kRowsAreQueries, class TC, class TC0, class F>
-  CUTE_DEVICE void visit(TC const& tC, TC0 const& tC0, int row0, int col0, uint32_t threshold, F&& f) const {
-    for_each_keep<kRowsAreQueries>(tC, tC0, row0, col0, threshold, f);
-  }
 };
 
 }  // namespace flash4

@@ -180,8 +180,7 @@ struct MainloopBwdSm90 {
   // dS^T from dP^T (Scores::ds_from_dp), or with dropout (keep mask M; no softcap, the binding checks), in one
   // pass with the keep bits: dS^T = P^T o (dP^T o M / (1 - p) - D) and P^T o M / (1 - p) for dV.
   // With dropout P^T goes to tPrP (16-bit, the dV GEMM's operand) here too, converted as each element is done, so
-  // the dropped fp32 P^T is never held (a pass of its own over P^T spilled the hdim 128 backward); without, the
-  // caller converts it.
+  // neither keep bits nor a dropped fp32 P^T are held; without, the caller converts it.
   template <class TS, class TP, class TC, class TC0>
   CUTE_DEVICE static void ds_from_dp(Params const& params, Bias const& b, TS& tSrdP_rc, TS& tSrS_rc, TP& tPrP,
                                      TC const& tScS_rc, TC0 const& tScS0_rc, const float* dpsum_s,
@@ -190,7 +189,7 @@ struct MainloopBwdSm90 {
       Tensor tPrP_rc = make_tensor(tPrP.data(), acc_rowcol_layout(tPrP.layout()));
       const float scale = params.dropout.inv_keep;
       b.with_stream(params.dropout)
-          .template visit</*kRowsAreQueries=*/false>(
+          .template for_each_keep</*kRowsAreQueries=*/false>(
               tScS_rc, tScS0_rc, n_block * kBlockN, m_block * kBlockM, params.dropout.threshold,
               [&](int r, int c, bool kept) {
                 const float p = tSrS_rc(r, c);
