@@ -154,9 +154,9 @@ def _block_sparse_kernel(q, k, v, block_mask, causal, left, right) -> bool:
 
 
 def _general(q, k, v, block_mask, alibi_slopes, dropout_p, softmax_scale, causal, left, right, softcap):
-    """What no kernel runs yet (dropout, ALiBi with softcap or a block mask, block masks the block-sparse
-    kernels cannot take): the PyTorch reference, with a warning on CUDA. Dropout draws its (seed, offset)
-    from torch's generator (flash_attn4.dropout)."""
+    """What no kernel runs yet (dropout with a block mask or ALiBi, ALiBi with softcap or a block mask, block
+    masks the block-sparse kernels cannot take): the PyTorch reference, with a warning on CUDA. Dropout draws
+    its (seed, offset) from torch's generator (flash_attn4.dropout)."""
     from flash_attn4._reference_general import general_attention_ref
     from flash_attn4.dropout import draw_seed
 
