@@ -30,7 +30,7 @@ from flash_attn4._ops import (
     bwd_into,
     fwd_into,
 )  # fmt: skip
-from flash_attn4._ops_varlen import _varlen_args
+from flash_attn4._ops_varlen import _varlen_args_if as _varlen
 
 
 def kernel_plan(
@@ -52,10 +52,6 @@ def kernel_plan(
     return plan, ""
 
 
-def _varlen(packed, cu_q, cu_k, used_q, used_k, max_q, max_k) -> Optional[dict]:
-    return _varlen_args(cu_q, cu_k, used_q, used_k, max_q, max_k) if packed else None
-
-
 def _reference_fwd(q, k, v, slopes, cu_q, cu_k, used_q, used_k, scale, causal, left, right):
     from flash_attn4._reference_general import general_attention_ref, general_varlen_ref
 
@@ -68,25 +64,15 @@ def _reference_fwd(q, k, v, slopes, cu_q, cu_k, used_q, used_k, scale, causal, l
 
 
 def _reference_bwd(dout, dlse, q, k, v, slopes, cu_q, cu_k, used_q, used_k, scale, causal, left, right):
-    """general_bwd_ref, per sequence for a packed batch (offsets read on the host)."""
-    from flash_attn4._reference_general import general_bwd_ref
-    from flash_attn4.reference import _varlen_segments
+    """general_bwd_ref, per sequence for a packed batch (general_varlen_bwd_ref)."""
+    from flash_attn4._reference_general import general_bwd_ref, general_varlen_bwd_ref
 
     opts = dict(causal=causal, softmax_scale=scale, window_size=(left, right), softcap=0.0)
     if cu_q is None:
         return general_bwd_ref(dout, dlse, q, k, v, alibi_slopes=slopes, **opts)
-    dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))
-    for b, (q0, nq, k0, nk) in enumerate(_varlen_segments(cu_q, cu_k, used_q, used_k)):
-        if nq == 0 or nk == 0:
-            continue
-        s_b = slopes[b] if slopes.dim() == 2 else slopes
-        dl_b = None if dlse is None else dlse[None, :, q0 : q0 + nq]
-        g = general_bwd_ref(dout[None, q0:q0 + nq], dl_b, q[None, q0:q0 + nq], k[None, k0:k0 + nk],
-                            v[None, k0:k0 + nk], alibi_slopes=s_b, **opts)  # fmt: skip
-        dq[q0 : q0 + nq] = g[0][0]
-        dk[k0 : k0 + nk] += g[1][0]
-        dv[k0 : k0 + nk] += g[2][0]
-    return dq, dk, dv
+    per_sequence = lambda b: {"alibi_slopes": slopes[b] if slopes.dim() == 2 else slopes}  # noqa: E731
+    return general_varlen_bwd_ref(dout, dlse, q, k, v, cu_q, cu_k, used_q, used_k, per_sequence=per_sequence,
+                                  **opts)  # fmt: skip
 
 
 @torch.library.custom_op("flash_attn4::fwd_alibi", mutates_args=())

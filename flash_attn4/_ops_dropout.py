@@ -30,7 +30,7 @@ from flash_attn4._ops import (
     bwd_into,
     fwd_into,
 )  # fmt: skip
-from flash_attn4._ops_varlen import _varlen_args
+from flash_attn4._ops_varlen import _varlen_args_if as _varlen
 
 
 def kernel_plan(
@@ -54,10 +54,6 @@ def kernel_plan(
     return plan, ""
 
 
-def _varlen(packed, cu_q, cu_k, used_q, used_k, max_q, max_k) -> Optional[dict]:
-    return _varlen_args(cu_q, cu_k, used_q, used_k, max_q, max_k) if packed else None
-
-
 def _opts(p, rng, scale, causal, left, right, softcap) -> dict:
     return dict(causal=causal, softmax_scale=scale, window_size=(left, right), softcap=softcap, dropout_p=p,
                 dropout_seed=(rng[0], rng[1]))  # fmt: skip
@@ -75,25 +71,15 @@ def _reference_fwd(q, k, v, rng, p, cu_q, cu_k, used_q, used_k, scale, causal, l
 def _reference_bwd(
     dout, dlse, q, k, v, rng, p, cu_q, cu_k, used_q, used_k, scale, causal, left, right, softcap
 ):
-    """general_bwd_ref, per sequence for a packed batch (offsets read on the host; sequence b is batch b of
+    """general_bwd_ref, per sequence for a packed batch (general_varlen_bwd_ref; sequence b is batch b of
     the keep mask)."""
-    from flash_attn4._reference_general import general_bwd_ref
-    from flash_attn4.reference import _varlen_segments
+    from flash_attn4._reference_general import general_bwd_ref, general_varlen_bwd_ref
 
     opts = _opts(p, rng, scale, causal, left, right, softcap)
     if cu_q is None:
         return general_bwd_ref(dout, dlse, q, k, v, **opts)
-    dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))
-    for b, (q0, nq, k0, nk) in enumerate(_varlen_segments(cu_q, cu_k, used_q, used_k)):
-        if nq == 0 or nk == 0:
-            continue
-        dl_b = None if dlse is None else dlse[None, :, q0 : q0 + nq]
-        g = general_bwd_ref(dout[None, q0:q0 + nq], dl_b, q[None, q0:q0 + nq], k[None, k0:k0 + nk],
-                            v[None, k0:k0 + nk], dropout_batch=b, **opts)  # fmt: skip
-        dq[q0 : q0 + nq] = g[0][0]
-        dk[k0 : k0 + nk] += g[1][0]
-        dv[k0 : k0 + nk] += g[2][0]
-    return dq, dk, dv
+    return general_varlen_bwd_ref(dout, dlse, q, k, v, cu_q, cu_k, used_q, used_k,
+                                  per_sequence=lambda b: {"dropout_batch": b}, **opts)  # fmt: skip
 
 
 @torch.library.custom_op("flash_attn4::fwd_dropout", mutates_args=())

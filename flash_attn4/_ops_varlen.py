@@ -34,6 +34,11 @@ def _varlen_plan(
     return _kernel_plan(q, max_seqlen_q, max_seqlen_k, causal, window_left, window_right, head_dim_v)
 
 
+def _varlen_args_if(packed, cu_q, cu_k, used_q, used_k, max_q, max_k):
+    """_varlen_args for a packed call, None for a fixed-length one (the option ops serve both)."""
+    return _varlen_args(cu_q, cu_k, used_q, used_k, max_q, max_k) if packed else None
+
+
 def _varlen_args(cu_q, cu_k, used_q, used_k, max_q, max_k) -> dict:
     return {
         "cu_seqlens_q": cu_q,

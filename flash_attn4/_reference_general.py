@@ -185,3 +185,26 @@ def general_bwd_ref(
     dk = dk.view(b, hk, g, sk, d).sum(2)
     dv = dv.view(b, hk, g, sk, -1).sum(2)
     return (dq.transpose(1, 2).to(q.dtype), dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype))
+
+
+def general_varlen_bwd_ref(
+    dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor, seqused_q=None, seqused_k=None, *, per_sequence=None, **opts,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """general_bwd_ref of a packed batch, sequence by sequence (offsets read on the host): q / dout
+    (total_q, hq, d), k / v (total_k, hk, d), dlse (hq, total_q) or None. per_sequence(b) gives sequence b's
+    own keyword arguments (its ALiBi slopes, its dropout batch index); `opts` are everyone's."""
+    from flash_attn4.reference import _varlen_segments
+
+    dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))
+    for b, (q0, nq, k0, nk) in enumerate(_varlen_segments(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)):
+        if nq == 0 or nk == 0:
+            continue
+        dl_b = None if dlse is None else dlse[None, :, q0 : q0 + nq]
+        own = per_sequence(b) if per_sequence else {}
+        g = general_bwd_ref(dout[None, q0:q0 + nq], dl_b, q[None, q0:q0 + nq], k[None, k0:k0 + nk],
+                            v[None, k0:k0 + nk], **opts, **own)  # fmt: skip
+        dq[q0 : q0 + nq] = g[0][0]
+        dk[k0 : k0 + nk] += g[1][0]
+        dv[k0 : k0 + nk] += g[2][0]
+    return dq, dk, dv
