@@ -6,7 +6,7 @@
 PYTHON ?= python3
 BENCH_ARGS ?=
 
-.PHONY: install build test bench bench-decode bench-varlen bench-quick gpu-check gpu-sm80 compile-check lint format clean
+.PHONY: install build test bench bench-decode bench-varlen bench-ring bench-quick gpu-check gpu-sm80 compile-check lint format clean
 
 install:  ## build against the torch you run (no build isolation: ABI) and install
 	$(PYTHON) -m pip install --no-build-isolation -v .
@@ -28,6 +28,9 @@ bench-decode:  ## decode from contiguous and paged KV caches, host time per call
 
 bench-varlen:  ## window 4096 at 32k vs causal, varlen 64..8192 vs equal length -> benchmarks/results/<gpu>_varlen.json
 	$(PYTHON) benchmarks/bench_varlen.py
+
+bench-ring:  ## ring_attn on 2 GPUs vs attn on one, 128k / 512k tokens, fwd and bwd -> <gpu>_ring.json (BENCH_ARGS="--gpus 2,4")
+	$(PYTHON) benchmarks/bench_ring.py $(BENCH_ARGS)
 
 bench-quick:  ## hdim 64/128/256 x seqlen 4096/8192 x causal both, forward and backward -> <gpu>_{fwd,bwd}_quick.json
 	$(PYTHON) benchmarks/bench_fwd.py --quick $(BENCH_ARGS)

@@ -61,17 +61,21 @@ def zigzag_unshard(x: Tensor, *, group=None, dim: int = 1) -> Tensor:
 def _start_exchange(tensors: list[Tensor], group, tag: int = 0) -> tuple[list, list[Tensor]]:
     """Starts sending `tensors` to the next rank and receiving the previous rank's (same shapes); returns
     (requests, receive buffers). The transfers run while the caller computes (on NCCL's own stream on
-    GPUs, on gloo's threads on CPU); `_finish` waits for them. Message i carries tag + i, so exchanges in
-    flight together (a step's K / V and the previous block's gradients) never match each other's."""
+    GPUs, on gloo's threads on CPU); `_finish` waits for them. The sends and receives go in one
+    batch_isend_irecv, which on NCCL is one group call, so they progress together: issued one by one, with
+    two ranks (next and previous the same peer) each rank's send would sit ahead of its receive on the
+    pair's stream, waiting for the peer's receive, which sits behind the peer's own send. Message i
+    carries tag + i (gloo matches tags; NCCL matches in issue order, the same on every rank), so exchanges
+    in flight together (a step's K / V and the previous block's gradients) never match each other's."""
     r, w = _world(group)
     nxt, prv = (r + 1) % w, (r - 1) % w
     nxt, prv = (dist.get_global_rank(group, i) if group is not None else i for i in (nxt, prv))
     received = [torch.empty_like(t) for t in tensors]
     sent = [t.contiguous() for t in tensors]  # kept alive with the requests until they are waited on
-    requests = [dist.isend(t, nxt, group=group, tag=tag + i) for i, t in enumerate(sent)] + [
-        dist.irecv(t, prv, group=group, tag=tag + i) for i, t in enumerate(received)
+    ops = [dist.P2POp(dist.isend, t, nxt, group=group, tag=tag + i) for i, t in enumerate(sent)] + [
+        dist.P2POp(dist.irecv, t, prv, group=group, tag=tag + i) for i, t in enumerate(received)
     ]
-    return [(req, sent) for req in requests], received
+    return [(req, sent) for req in dist.batch_isend_irecv(ops)], received
 
 
 def _finish(requests) -> None:

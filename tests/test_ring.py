@@ -6,6 +6,7 @@ attn_varlen on the whole packed batch, each sequence zigzag-sharded."""
 from __future__ import annotations
 
 import faulthandler
+import json
 import os
 import socket
 
@@ -186,3 +187,32 @@ WINDOWS = [(False, (7, 3)), (True, (5, 0)), (False, (-1, 4)), (True, (30, 0))]
 @pytest.mark.parametrize("causal,window", WINDOWS)
 def test_ring_attn_varlen_with_a_window_equals_whole_batch(tmp_path, causal, window):
     _spawn(_varlen_worker, 2, tmp_path, causal, str(tmp_path), window)
+
+
+def test_bench_ring_runs_on_gloo(tmp_path):
+    """benchmarks/bench_ring.py's worker on two gloo ranks at toy sizes: one record per (direction, impl),
+    positive times, the efficiency on the ring rows, and a table with both directions."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_ring
+
+    args = bench_ring.parse_args(["--device", "cpu", "--gpus", "2", "--seqlens", "32", "--heads", "2",
+                                  "--hdim", "8", "--rounds", "1", "--warmup", "0", "--rep", "1"])  # fmt: skip
+    out = tmp_path / "ring.json"
+    _spawn(_bench_ring_worker, 2, tmp_path, args, str(out), str(tmp_path))
+    records = json.loads(out.read_text())
+    got = sorted((r["direction"], r["impl"]) for r in records)
+    assert got == sorted((d, i) for d in ("fwd", "bwd") for i in ("attn_1gpu", "ring_attn", "exchanges"))
+    assert all(r["ms"] > 0 or r["impl"] == "attn_1gpu" for r in records)
+    assert all(r["efficiency"] > 0 for r in records if r["impl"] == "ring_attn")
+    table = bench_ring.format_table(records)
+    assert "| 2 | 32 | fwd |" in table and "| 2 | 32 | bwd |" in table
+
+
+def _bench_ring_worker(rank, world, port, args, out, result_dir):
+    import bench_ring
+
+    bench_ring._worker(rank, world, port, args, out)
+    open(os.path.join(result_dir, f"ok{rank}"), "w").close()
