@@ -9,14 +9,16 @@ For each n in --gpus, one process group of n ranks (NCCL, NVLink multicast off) 
 each round: rank 0's `attn` on the whole sequence (the one-GPU baseline; the other ranks wait), then every
 rank's `ring_attn` on its zigzag shard (the time of the slowest rank), then the exchanges alone: the
 forward's n - 1 K / V moves around the ring, and the backward's n - 1 K / V plus n dK / dV moves. Each time
-is the median of --rep calls after --warmup, the round kept is the median one; the backward is the gradient
-call alone on a graph recorded once (retain_graph), as in bench_fwd.py --bwd.
+is the median of --rep calls after --warmup, and a record keeps the median of the rounds; the backward is
+the gradient call alone on a graph recorded once (retain_graph), as in bench_fwd.py --bwd.
 
     efficiency = t(attn, 1 GPU) / (n x t(ring_attn, n GPUs))        (1.0: perfect scaling)
 
 A ring time near compute / n + exchanges means the transfers did not overlap the kernels; near compute / n,
-they did. Writes benchmarks/results/<gpu>_ring.json and prints a table. `--device cpu` runs the same code on
-gloo with the reference kernels, at toy sizes: it checks the script, it measures nothing worth quoting.
+they did. Writes benchmarks/results/<gpu>_ring.json (records `flash_attn4` with world 1, `flash_attn4_ring`
+with fwd_efficiency / bwd_efficiency, `ring_exchanges`; fwd_ms, bwd_ms) and prints a table. `--device cpu`
+runs the same code on gloo with the reference kernels, at toy sizes: it checks the script, it measures
+nothing worth quoting.
 """
 
 from __future__ import annotations
@@ -69,6 +71,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise SystemExit(f"--gpus {max(args.gpus)} needs that many GPUs; this machine has "
                          f"{torch.cuda.device_count()}")  # fmt: skip
     return args
+
+
+# Record names (impl): our kernel on one GPU, the ring on `world` GPUs, and the ring's transfers alone.
+IMPLS = {"attn_1gpu": "flash_attn4", "ring_attn": "flash_attn4_ring", "exchanges": "ring_exchanges"}
 
 
 def _free_port() -> int:
@@ -171,23 +177,23 @@ def _one_shape(args, n: int, seqlen: int, device: torch.device, clock: _Clock) -
                 fn, everyone = table[name]
                 rounds[(direction, name)].append(_median_ms(fn, clock, args.warmup, args.rep, everyone))
         clocks.append(sm_clock_mhz() if device.type == "cuda" else None)
-    records = []
-    base = dict(world=n, seqlen=seqlen, nheads=args.heads, hdim=args.hdim, causal=causal, batch=1,
-                dtype=str(dtype).replace("torch.", ""))  # fmt: skip
+    # One record per impl (DESIGN.md's result schema): `world` GPUs, fwd_ms / bwd_ms medians of the rounds.
+    base = dict(seqlen=seqlen, nheads=args.heads, hdim=args.hdim, causal=causal, batch=1,
+                dtype=str(dtype).replace("torch.", ""), ring_world=n)  # fmt: skip
     seen = [c for c in clocks if c]
+    records = {name: dict(impl=IMPLS[name], world=1 if name == "attn_1gpu" else n, **base) for name in fns}
+    for (direction, name), times in rounds.items():
+        records[name][f"{direction}_ms"] = statistics.median(times)
+        records[name][f"{direction}_ms_rounds"] = times
+    ring = records["ring_attn"]
     for direction in ("fwd", "bwd"):
-        ts = {name: statistics.median(v) for (d, name), v in rounds.items() if d == direction}
-        if not ts:
-            continue
-        eff = ts["attn_1gpu"] / (n * ts["ring_attn"])
-        for name, ms in ts.items():
-            rec = dict(impl=name, direction=direction, ms=ms, ms_rounds=rounds[(direction, name)], **base)
-            if name == "ring_attn":
-                rec["efficiency"] = eff
-            records.append(rec)
-    for r in records:
+        if f"{direction}_ms" in ring:
+            ring[f"{direction}_efficiency"] = records["attn_1gpu"][f"{direction}_ms"] / (
+                n * ring[f"{direction}_ms"]
+            )
+    for r in records.values():
         r["sm_clock_mhz"] = [min(seen), max(seen)] if seen else None
-    return records
+    return list(records.values())
 
 
 def _worker(rank: int, n: int, port: int, args: argparse.Namespace, out_path: str) -> None:
@@ -207,10 +213,7 @@ def _worker(rank: int, n: int, port: int, args: argparse.Namespace, out_path: st
             shape_records = _one_shape(args, n, seqlen, device, _Clock(device))
             records += shape_records
             if rank == 0:
-                for r in shape_records:
-                    eff = f"  efficiency {r['efficiency']:.3f}" if "efficiency" in r else ""
-                    print(f"n={n} seqlen={seqlen} {r['direction']} {r['impl']}: {r['ms']:.2f} ms{eff}",
-                          flush=True)  # fmt: skip
+                print(format_table(shape_records), flush=True)
         if rank == 0:
             Path(out_path).write_text(json.dumps(records))
         dist.barrier()
@@ -221,12 +224,13 @@ def _worker(rank: int, n: int, port: int, args: argparse.Namespace, out_path: st
 def format_table(records: list[dict]) -> str:
     rows = ["| GPUs | seqlen | dir | attn, 1 GPU (ms) | ring_attn (ms) | exchanges alone (ms) | efficiency |",
             "|---:|---:|:-:|---:|---:|---:|---:|"]  # fmt: skip
-    keyed = {(r["world"], r["seqlen"], r["direction"], r["impl"]): r for r in records}
-    shapes = {(r["world"], r["seqlen"], r["direction"]) for r in records}
-    for n, s, d in sorted(shapes, key=lambda x: (x[0], x[1], x[2] == "bwd")):
-        one, ring, ex = (keyed.get((n, s, d, i)) for i in ("attn_1gpu", "ring_attn", "exchanges"))
-        rows.append(f"| {n} | {s} | {d} | {one['ms']:.2f} | {ring['ms']:.2f} | "
-                    f"{ex['ms'] if ex else float('nan'):.2f} | {ring['efficiency']:.3f} |")  # fmt: skip
+    keyed = {(r["ring_world"], r["seqlen"], r["impl"]): r for r in records}
+    for n, s in sorted({(r["ring_world"], r["seqlen"]) for r in records}):
+        one, ring, ex = (keyed[(n, s, IMPLS[i])] for i in ("attn_1gpu", "ring_attn", "exchanges"))
+        for d in ("fwd", "bwd"):
+            if f"{d}_ms" in ring:
+                rows.append(f"| {n} | {s} | {d} | {one[f'{d}_ms']:.2f} | {ring[f'{d}_ms']:.2f} | "
+                            f"{ex[f'{d}_ms']:.2f} | {ring[f'{d}_efficiency']:.3f} |")  # fmt: skip
     return "\n".join(rows)
 
 

@@ -203,10 +203,13 @@ def test_bench_ring_runs_on_gloo(tmp_path):
     out = tmp_path / "ring.json"
     _spawn(_bench_ring_worker, 2, tmp_path, args, str(out), str(tmp_path))
     records = json.loads(out.read_text())
-    got = sorted((r["direction"], r["impl"]) for r in records)
-    assert got == sorted((d, i) for d in ("fwd", "bwd") for i in ("attn_1gpu", "ring_attn", "exchanges"))
-    assert all(r["ms"] > 0 or r["impl"] == "attn_1gpu" for r in records)
-    assert all(r["efficiency"] > 0 for r in records if r["impl"] == "ring_attn")
+    assert sorted((r["impl"], r["world"]) for r in records) == [
+        ("flash_attn4", 1), ("flash_attn4_ring", 2), ("ring_exchanges", 2)]  # fmt: skip
+    for r in records:
+        assert {"hdim", "seqlen", "causal", "batch", "nheads", "dtype"} <= set(r)
+        assert r["fwd_ms"] > 0 and r["bwd_ms"] > 0 and len(r["fwd_ms_rounds"]) == 1
+    ring = next(r for r in records if r["impl"] == "flash_attn4_ring")
+    assert ring["fwd_efficiency"] > 0 and ring["bwd_efficiency"] > 0
     table = bench_ring.format_table(records)
     assert "| 2 | 32 | fwd |" in table and "| 2 | 32 | bwd |" in table
 
