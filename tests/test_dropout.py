@@ -206,33 +206,11 @@ def test_kernel_bits_match_the_spec(tmp_path):
     """tests/cpp/test_dropout_bits.cpp runs the kernels' dropout code (csrc/common/dropout.hpp) on the host
     through the real sm90 accumulator partitions, every thread of the forward's S and the backward's S^T tile
     at head dim 128; the masks it prints must be keep_mask's bit for bit. Skipped without nvcc / CUTLASS."""
-    import shutil
-    import subprocess
-    import sys
-    from pathlib import Path
+    from host_cpp import run_host_check
 
-    root = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(root / "csrc"))
-    import build_flags
-
-    nvcc = shutil.which("nvcc") or (
-        "/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None
-    )
-    if nvcc is None:
-        pytest.skip("nvcc not found")
-    try:
-        includes = [f"-I{p}" for p in build_flags.include_dirs()]
-    except RuntimeError as e:
-        pytest.skip(str(e))
-    exe = tmp_path / "test_dropout_bits"
-    src = root / "tests" / "cpp" / "test_dropout_bits.cpp"
-    cmd = [nvcc, "-std=c++17", "-O1", "-x", "cu", "--expt-relaxed-constexpr",
-           "-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED", *includes, str(src), "-o", str(exe)]  # fmt: skip
-    build = subprocess.run(cmd, capture_output=True, text=True)
-    assert build.returncode == 0, build.stdout + build.stderr
     p, (seed, offset), (b, h, heads), (q0, k0) = 0.17, (2**61 + 12345, 77), (1, 2, 3), (256, 384)
     args = [seed, offset, dropout.threshold(p), b, heads, h, q0, k0]
-    run = subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True, timeout=60)
+    run = run_host_check("test_dropout_bits", tmp_path, args, sm90=True)
     assert run.returncode == 0, run.stderr
     lines = run.stdout.split()
     for name, rows, bits in (("fwd", 128, lines[3]), ("bwd", 64, lines[7])):
