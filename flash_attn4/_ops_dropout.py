@@ -19,17 +19,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from flash_attn4 import _build_info
-from flash_attn4._ops import (
-    _grad_like,
-    _in_grad_layout,
-    _kernel_plan,
-    _lse_dtype,
-    _Plan,
-    _warn_once,
-    bwd_into,
-    fwd_into,
-)  # fmt: skip
+from flash_attn4 import _build_info, _option_ops
+from flash_attn4._ops import _Plan, _warn_once, bwd_into, fwd_into
 from flash_attn4._ops_varlen import _varlen_args_if as _varlen
 
 
@@ -39,10 +30,8 @@ def kernel_plan(
 ) -> tuple[Optional[_Plan], str]:  # fmt: skip
     """The plan of a dropout call when a dropout kernel can serve it, else (None, why; "" if nothing to
     do)."""
-    if packed and k.shape[0] == 0:
-        return None, ""
-    sq, sk = (max_seqlen_q, max_seqlen_k) if packed else (q.shape[1], k.shape[1])
-    plan, why = _kernel_plan(q, sq, sk, causal, window_left, window_right, v.shape[-1])
+    plan, why = _option_ops.base_plan(q, k, v, packed, max_seqlen_q, max_seqlen_k, causal, window_left,
+                                      window_right)  # fmt: skip
     if plan is None:
         return None, why
     if plan.arch != 90 or _build_info.padded_hdim(q.shape[-1]) not in _build_info.DROPOUT_HDIMS or softcap:
@@ -113,13 +102,7 @@ def fwd_dropout(
         out, lse = _reference_fwd(q, k, v, rng, dropout_p, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                                   softmax_scale, causal, window_left, window_right, softcap)  # fmt: skip
         return out.contiguous(), lse.contiguous()
-    if packed:  # the kernel writes the sequences' rows only
-        out = torch.zeros_like(q, memory_format=torch.contiguous_format)
-        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
-    else:
-        b, sq, hq, d = q.shape
-        out = q.new_empty(b, sq, hq, d)
-        lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
+    out, lse = _option_ops.kernel_outputs(q, v, packed)
     varlen = _varlen(packed, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)
     fwd_into(q, k, v, out, lse, softmax_scale, plan, varlen=varlen, dropout=(dropout_p, rng))
     return out, lse
@@ -127,11 +110,7 @@ def fwd_dropout(
 
 @fwd_dropout.register_fake
 def _fwd_fake(q, k, v, rng, dropout_p, cu_seqlens_q, *rest):
-    if cu_seqlens_q is not None:
-        total_q, hq, _ = q.shape
-        return q.new_empty(total_q, hq, v.shape[-1]), q.new_empty(hq, total_q, dtype=_lse_dtype(q.dtype))
-    b, sq, hq, _ = q.shape
-    return q.new_empty(b, sq, hq, v.shape[-1]), q.new_empty(b, hq, sq, dtype=_lse_dtype(q.dtype))
+    return _option_ops.fake_outputs(q, v, cu_seqlens_q is not None)
 
 
 @torch.library.custom_op("flash_attn4::bwd_dropout", mutates_args=())
@@ -165,10 +144,7 @@ def bwd_dropout(
     plan, why = kernel_plan(q, k, v, packed, max_seqlen_q, max_seqlen_k, causal, window_left, window_right,
                             softcap)  # fmt: skip
     if plan is not None and lse.dtype == torch.float32:
-        if packed:  # zeros: the kernel writes only rows inside the sequences
-            dq, dk, dv = (torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
-        else:
-            dq, dk, dv = (_grad_like(t) for t in (q, k, v))
+        dq, dk, dv = _option_ops.kernel_grads(q, k, v, packed)
         varlen = _varlen(packed, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)
         bwd_into(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, plan, deterministic, dlse, varlen=varlen,
                  dropout=(dropout_p, rng))  # fmt: skip
@@ -177,16 +153,12 @@ def bwd_dropout(
         _warn_once(why)
     grads = _reference_bwd(dout, dlse, q, k, v, rng, dropout_p, cu_seqlens_q, cu_seqlens_k, seqused_q,
                            seqused_k, softmax_scale, causal, window_left, window_right, softcap)  # fmt: skip
-    if packed:
-        return tuple(g.contiguous() for g in grads)
-    return tuple(_in_grad_layout(g, t) for g, t in zip(grads, (q, k, v)))
+    return _option_ops.reference_grads(grads, q, k, v, packed)
 
 
 @bwd_dropout.register_fake
 def _bwd_fake(dout, dlse, q, k, v, rng, out, lse, dropout_p, cu_seqlens_q, *rest):
-    if cu_seqlens_q is not None:
-        return tuple(t.new_empty(t.shape) for t in (q, k, v))
-    return _grad_like(q), _grad_like(k), _grad_like(v)
+    return _option_ops.fake_grads(q, k, v, cu_seqlens_q is not None)
 
 
 def _setup_context(ctx, inputs, output) -> None:
