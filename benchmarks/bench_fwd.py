@@ -73,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         f"(default {','.join(IMPLS)}; with --dtype fp8, {','.join(FP8_IMPLS)})",
     )
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument(
+        "--hdim-v", type=int, help="v's head dim when it differs from q / k's (MLA: --hdims 192 --hdim-v 128)"
+    )
     ap.add_argument("--bwd", action="store_true", help="time the backward instead of the forward")
     ap.add_argument("--deterministic", action="store_true", help="flash_attn4 with deterministic=True")
     ap.add_argument("--warmup", type=int, default=25, help="do_bench warmup (ms)")
@@ -310,12 +313,20 @@ def run(args: argparse.Namespace) -> list[dict]:
         if tqdm is None:
             print(f"[{i + 1}/{len(grid)}] hdim={hdim} seqlen={seqlen} causal={causal}", flush=True)
         batch, nheads = max(1, TOKENS // seqlen), WIDTH // hdim
-        q, k, v = (torch.randn(batch, seqlen, nheads, hdim, dtype=dtype, device="cuda") for _ in "qkv")
-        flops = 4 * batch * nheads * seqlen * seqlen * hdim / (2 if causal else 1) * (2.5 if args.bwd else 1)
+        dv = args.hdim_v or hdim
+        q, k, v = (
+            torch.randn(batch, seqlen, nheads, e, dtype=dtype, device="cuda") for e in (hdim, hdim, dv)
+        )
+        # Per (query, key) pair: Q K^T and P V forward (2 (d + dv)); the backward recomputes Q K^T and runs
+        # dO V^T, P^T dO, dS K, dS^T Q (2 (3 d + 2 dv): 2.5x the forward when dv = d).
+        per_pair = 2 * (3 * hdim + 2 * dv) if args.bwd else 2 * (hdim + dv)
+        flops = batch * nheads * seqlen * seqlen * per_pair / (2 if causal else 1)
         recs, fns = {}, {}
         for impl in args.impls:
             rec = {"impl": impl, "hdim": hdim, "seqlen": seqlen, "causal": causal, "batch": batch}
             rec.update(nheads=nheads, **meta)
+            if dv != hdim:
+                rec["hdim_v"] = dv
             if args.dtype == "fp8":
                 rec["dtype"] = "fp8_e4m3" if impl in ("flash_attn4_fp8", "fp8_matmul") else "bf16"
             if impl == "flash_attn4" and args.deterministic:
@@ -364,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     args.impls = available_impls(args.impls)
     records = run(args)
     direction = "bwd" if args.bwd else "fwd"
-    suffix = ("_fp8" if args.dtype == "fp8" else "") + ("_quick" if args.quick else "")
+    tags = (("_fp8", args.dtype == "fp8"), ("_mla", bool(args.hdim_v)), ("_quick", args.quick))
+    suffix = "".join(tag for tag, on in tags if on)
     out = args.out or RESULTS / f"{gpu_slug(torch.cuda.get_device_name())}_{direction}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(records, indent=1) + "\n")

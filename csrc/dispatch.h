@@ -17,6 +17,7 @@ struct FwdKernelEntry {
   int arch;  // 90 for the sm_90a kernels
   DType dtype;
   int head_dim;
+  int head_dim_v;  // v's and o's: head_dim, or smaller in the MLA instantiations (192 / 128)
   bool causal;
   bool local;  // sliding window (BlockMask's kLocal); never together with causal
   bool sparse;  // walks a block mask's lists (SparseList) instead of the band the mask leaves
@@ -32,11 +33,13 @@ extern const int kNumFwdKernels;
 
 // Returns nullptr when no instantiation matches (the binding turns that into a clear error).
 inline const FwdKernelEntry* find_fwd_kernel(int arch, DType dtype, int head_dim, bool causal, bool local,
-                                             bool sparse = false, bool alibi = false, bool dropout = false) {
+                                             bool sparse = false, bool alibi = false, bool dropout = false,
+                                             int head_dim_v = 0) {
+  if (head_dim_v == 0) head_dim_v = head_dim;
   for (int i = 0; i < kNumFwdKernels; ++i) {
     const FwdKernelEntry& e = kFwdKernels[i];
-    if (e.arch == arch && e.dtype == dtype && e.head_dim == head_dim && e.causal == causal && e.local == local &&
-        e.sparse == sparse && e.alibi == alibi && e.dropout == dropout) {
+    if (e.arch == arch && e.dtype == dtype && e.head_dim == head_dim && e.head_dim_v == head_dim_v &&
+        e.causal == causal && e.local == local && e.sparse == sparse && e.alibi == alibi && e.dropout == dropout) {
       return &e;
     }
   }
@@ -97,9 +100,10 @@ inline const DecodeKernelEntry* find_decode_kernel(DType dtype, int head_dim, bo
 }
 
 // Declared here, defined (and explicitly instantiated, one combination per .cu) in launch/.
-// Iter: DenseBand / SparseList; Bias (the score modifier): NoBias / Alibi / Dropout (sm90 only).
+// Iter: DenseBand / SparseList; Bias (the score modifier): NoBias / Alibi / Dropout (sm90 only); kHeadDimV: v's
+// head dim where it differs from q / k's (MLA, sm90 forward only).
 template <int Arch, DType kDType, int kHeadDim, bool kCausal, bool kLocal, class Iter = DenseBand,
-          class Bias = NoBias>
+          class Bias = NoBias, int kHeadDimV = kHeadDim>
 void run_fwd(const FwdParams& params, cudaStream_t stream);
 template <int Arch, DType kDType, int kHeadDim, bool kCausal, bool kLocal, class Iter = DenseBand,
           class Bias = NoBias>

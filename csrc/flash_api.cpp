@@ -228,12 +228,16 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
   const int64_t nheads_q = q.size(hd), head_dim = q.size(hd + 1), nheads_kv = k.size(hd);
   TORCH_CHECK(k.size(hd + 1) == head_dim && (o.packed || k.size(0) == q.size(0)),
               "flash_attn4: k must match q's batch and head_dim, got q " + str(q.sizes()) + ", k " + str(k.sizes()));
-  TORCH_CHECK(v.sizes() == k.sizes(),
-              "flash_attn4: v must have k's shape " + str(k.sizes()) + ", got " + str(v.sizes()));
+  // v may have a smaller head dim than q and k (MLA instantiations); out has v's.
+  const int64_t head_dim_v = v.size(hd + 1);
+  TORCH_CHECK(v.sizes().slice(0, hd + 1) == k.sizes().slice(0, hd + 1),
+              "flash_attn4: v must have k's shape but in the last dim, " + str(k.sizes()) + ", got " +
+                  str(v.sizes()));
   TORCH_CHECK(nheads_kv > 0 && nheads_q % nheads_kv == 0, "flash_attn4: nheads_q (" + str(nheads_q) +
                                                               ") must be a multiple of nheads_kv (" +
                                                               str(nheads_kv) + ")");
-  TORCH_CHECK(out.sizes() == q.sizes(), "flash_attn4: out must have q's shape " + str(q.sizes()));
+  TORCH_CHECK(out.sizes().slice(0, hd + 1) == q.sizes().slice(0, hd + 1) && out.size(hd + 1) == head_dim_v,
+              "flash_attn4: out must have q's shape with v's head dim, got " + str(out.sizes()));
   if (o.packed) {
     TORCH_CHECK(lse.dim() == 2 && lse.size(0) == nheads_q && lse.size(1) == q.size(0),
                 "flash_attn4: packed lse must be (nheads_q, total_q)");
@@ -264,13 +268,14 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
                 "flash_attn4: sinks must be a contiguous float32 (" + str(nheads_q) + ",) tensor on q's device");
     p.sinks = sinks->data_ptr<float>();
   }
-  const flash4::FwdKernelEntry* entry =
-      flash4::find_fwd_kernel(int(kernel_arch), kdtype, int(head_dim), o.causal, o.local, sparse, alibi, dropout);
+  const flash4::FwdKernelEntry* entry = flash4::find_fwd_kernel(int(kernel_arch), kdtype, int(head_dim), o.causal,
+                                                                o.local, sparse, alibi, dropout, int(head_dim_v));
   TORCH_CHECK(entry != nullptr, "flash_attn4: no compiled " + std::string(sparse ? "block-sparse " : "") +
                                     (alibi ? "ALiBi " : "") + (dropout ? "dropout " : "") +
                                     "forward kernel for sm" + str(kernel_arch) + ", " +
                                     (kdtype == DType::kBF16 ? "bf16" : "fp16") + ", head_dim " + str(head_dim) +
-                                    ", " + mask_name(o) +
+                                    (head_dim_v != head_dim ? " (v " + str(head_dim_v) + ")" : "") + ", " +
+                                    mask_name(o) +
                                     ". Rebuild with that head dim/dtype in FLASH_ATTN4_HDIMS / FLASH_ATTN4_DTYPES.");
 
   set_options(p, o);

@@ -109,7 +109,8 @@ struct BlockSparseParams {
 };
 
 struct FwdParams : SeqMaskParams {
-  // q: (batch, seqlen_q, nheads_q, head_dim); k, v: (batch, seqlen_k, nheads_kv, head_dim).
+  // q: (batch, seqlen_q, nheads_q, head_dim); k, v: (batch, seqlen_k, nheads_kv, head_dim); v's head dim
+  // (and o's) is the instantiation's v head dim, smaller than head_dim in the MLA ones (192 / 128).
   // The last dim is contiguous; batch/row/head strides are arbitrary multiples of 8 elements
   // (16 bytes: the TMA alignment rule), checked by the binding.
   const void* q = nullptr;

@@ -41,7 +41,8 @@ def report_environment() -> None:
         print(
             f"block-sparse head dims {_build_info.BLOCK_SPARSE_HDIMS}, "
             f"fp8 (e4m3 forward) head dims {_build_info.FP8_HDIMS}, ALiBi (sm90) head dims "
-            f"{_build_info.ALIBI_HDIMS}, dropout (sm90) head dims {_build_info.DROPOUT_HDIMS}"
+            f"{_build_info.ALIBI_HDIMS}, dropout (sm90) head dims {_build_info.DROPOUT_HDIMS}, MLA (sm90 "
+            f"forward; q / k, v) head dims {_build_info.MLA_HDIMS}"
         )
     else:
         print(f"no CUDA kernels: {_build_info.REASON}")

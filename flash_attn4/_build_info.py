@@ -2,8 +2,8 @@
 
 `setup.py` writes `flash_attn4/_build_config.py` (git-ignored) next to this file. It defines exactly
 `BUILT`, `REASON`, `ARCHS` (kernel families), `TARGETS` (the GPUs compiled for), `DTYPES`, `HDIMS`,
-`BLOCK_SPARSE_HDIMS`, `FP8_HDIMS`, `ALIBI_HDIMS`, `DROPOUT_HDIMS`, `DECODE_HDIMS`, `TORCH_VERSION` and
-`CUDA_VERSION`. When
+`BLOCK_SPARSE_HDIMS`, `FP8_HDIMS`, `ALIBI_HDIMS`, `DROPOUT_HDIMS`, `MLA_HDIMS`, `DECODE_HDIMS`,
+`TORCH_VERSION` and `CUDA_VERSION`. When
 the file is missing (a source checkout that was never built, or an install without CUDA) every query answers
 "not built" and the Python package runs on the PyTorch reference alone.
 """
@@ -41,6 +41,10 @@ FP8_HDIMS: tuple[int, ...] = tuple(sorted(int(h) for h in getattr(_cfg, "FP8_HDI
 ALIBI_HDIMS: tuple[int, ...] = tuple(sorted(int(h) for h in getattr(_cfg, "ALIBI_HDIMS", ())))
 # Head dims with dropout kernels (the sm90 family, both directions; csrc/generate_kernels.py, DROPOUT_ARCHS).
 DROPOUT_HDIMS: tuple[int, ...] = tuple(sorted(int(h) for h in getattr(_cfg, "DROPOUT_HDIMS", ())))
+# (q / k, v) head dims with MLA forward kernels (sm90; csrc/generate_kernels.py, MLA_HDIMS).
+MLA_HDIMS: tuple[tuple[int, int], ...] = tuple(
+    sorted((int(h), int(hv)) for h, hv in getattr(_cfg, "MLA_HDIMS", ()))
+)
 # Head dims with decode kernels (csrc/generate_kernels.py, DECODE_HDIMS: 64, 128, 256 of those built).
 DECODE_HDIMS: tuple[int, ...] = tuple(
     sorted(int(h) for h in getattr(_cfg, "DECODE_HDIMS", [h for h in HDIMS if h in (64, 128, 256)]))
@@ -121,6 +125,15 @@ def padded_hdim(hdim: int) -> int | None:
     if hdim <= 0 or hdim % 8 != 0:
         return None
     return next((h for h in HDIMS if h >= hdim), None)
+
+
+def mla_hdims(hdim: int, hdim_v: int) -> tuple[int, int] | None:
+    """The (q / k, v) head dims of the MLA forward kernel that serves a call with these head dims (each side
+    zero-padded up to the kernel's, as padded_hdim does), or None. Only v head dims below q / k's."""
+    if hdim_v >= hdim or hdim_v <= 0 or hdim_v % 8 != 0:
+        return None
+    h = padded_hdim(hdim)
+    return next(((k, kv) for k, kv in MLA_HDIMS if k == h and hdim_v <= kv < k), None)
 
 
 @functools.cache

@@ -71,21 +71,27 @@ def _kernel_plan(
     window_left: int,
     window_right: int,
     head_dim_v: Optional[int] = None,
+    mla_forward: bool = False,
 ) -> tuple[Optional[_Plan], str]:
     """The one place that picks the path of a call (dense or packed; for packed batches seqlen_q/k are the
     max_seqlen bounds): (plan, "") for the kernels, or (None, why the reference runs; "" when there is nothing
     to compute). Softcap and packed batches need nothing more than the kernel family, which every build has
-    for every mask."""
+    for every mask. A v head dim other than q / k's (MLA) has sm90 forward kernels only: `mla_forward` says
+    the caller is a plain forward (dense or packed; no bias, dropout, sinks or block mask) that takes one."""
     if q.numel() == 0 or seqlen_q == 0 or seqlen_k == 0:
         return None, ""  # nothing to compute (or only empty rows): no kernel launch, nothing to warn about
-    if head_dim_v is not None and head_dim_v != q.shape[-1]:
-        return None, (
-            f"no CUDA kernel takes a v head dim ({head_dim_v}) other than q / k's ({q.shape[-1]}) yet (MLA "
-            "192 / 128 prefill); the PyTorch reference runs"
-        )
     arch, why = _build_info.kernel_available(q.device, q.dtype, q.shape[-1])
     if arch is None:
         return None, why
+    if head_dim_v is not None and head_dim_v != q.shape[-1]:
+        mla = _build_info.mla_hdims(q.shape[-1], head_dim_v)
+        if not (mla_forward and arch == 90 and mla is not None):
+            what = "this call" if mla_forward else "this direction or option"
+            return None, (
+                f"no CUDA kernel takes {what} with a v head dim ({head_dim_v}) other than q / k's "
+                f"({q.shape[-1]}): the MLA kernels are sm90 forwards of (q / k, v) head dims "
+                f"{_build_info.MLA_HDIMS or '(none built)'}; the PyTorch reference runs"
+            )
     return _Plan(arch, *_mask_kind(seqlen_q, seqlen_k, causal, window_left, window_right)), ""
 
 
@@ -185,9 +191,11 @@ def fwd_into(
 
     Args:
         q: (batch, seqlen_q, nheads_q, headdim) fp16/bf16 on an sm90 device; k, v: (batch, seqlen_k,
-            nheads_kv, headdim), same dtype. Packed batches (`varlen` given): (total, heads, headdim). Any
-            strides; copies are made only where TMA needs them.
-        out: shaped like q, q's dtype, contiguous. Written (packed: rows of the sequences only).
+            nheads_kv, headdim), same dtype (v: a smaller head dim where an MLA kernel takes it,
+            _build_info.mla_hdims). Packed batches (`varlen` given): (total, heads, headdim). Any strides;
+            copies are made only where TMA needs them.
+        out: shaped like q with v's head dim, q's dtype, contiguous. Written (packed: rows of the sequences
+            only).
         lse: (batch, nheads_q, seqlen_q), packed (nheads_q, total_q), float32, contiguous. Written.
         softmax_scale: for the ORIGINAL head dim (padding below must not change it).
         plan: from `_kernel_plan` (kernel family and mask).
@@ -201,20 +209,26 @@ def fwd_into(
     ext, why = _build_info.load_extension()
     if ext is None:
         raise RuntimeError(why)
-    d = q.shape[-1]
-    if out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous {q.dtype} tensor of shape {tuple(q.shape)}")
+    d, dv = q.shape[-1], v.shape[-1]
+    out_shape = (*q.shape[:-1], dv)
+    if out.shape != out_shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {q.dtype} tensor of shape {out_shape}")
     lse_shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
     if lse.shape != lse_shape or lse.dtype != torch.float32 or not lse.is_contiguous():
         raise ValueError(f"lse must be a contiguous float32 tensor of shape {lse_shape}")
-    dpad = _build_info.padded_hdim(d)
+    if dv != d:
+        dpad, dvpad = _build_info.mla_hdims(d, dv) or (None, None)
+    else:
+        dpad = dvpad = _build_info.padded_hdim(d)
     if dpad is None:
-        raise ValueError(f"head dim {d} has no built kernel (built: {_build_info.HDIMS})")
+        raise ValueError(f"head dims {d} / {dv} have no built kernel (built: {_build_info.HDIMS}, MLA "
+                         f"{_build_info.MLA_HDIMS})")  # fmt: skip
+    # Zero columns add nothing to q.k, and zero v columns produce zero output columns, which are dropped.
     if dpad != d:
-        # Zero columns add nothing to q.k and produce zero output columns, which are dropped.
-        pad = (0, dpad - d)
-        q, k, v = (torch.nn.functional.pad(t, pad) for t in (q, k, v))
-        out_k = torch.nn.functional.pad(out, pad)  # keeps out's values in rows the kernel does not write
+        q, k = (torch.nn.functional.pad(t, (0, dpad - d)) for t in (q, k))
+    if dvpad != dv:
+        v = torch.nn.functional.pad(v, (0, dvpad - dv))
+        out_k = torch.nn.functional.pad(out, (0, dvpad - dv))  # keeps out's values in rows not written
     else:
         out_k = out
     ext.fwd(
@@ -232,7 +246,7 @@ def fwd_into(
         **_dropout_arg(dropout),
     )
     if out_k is not out:
-        out.copy_(out_k[..., :d])
+        out.copy_(out_k[..., :dv])
 
 
 def bwd_into(
@@ -375,16 +389,19 @@ def fwd_impl(
     Inputs are assumed validated (`interface.attn` does that). lse is float32, except float64 for
     float64 inputs (CPU reference only), so that gradcheck can check gradients through lse.
     """
-    plan, why = _kernel_plan(q, q.shape[1], k.shape[1], causal, window_left, window_right, v.shape[-1])
+    plan, why = _kernel_plan(
+        q, q.shape[1], k.shape[1], causal, window_left, window_right, v.shape[-1], mla_forward=True
+    )
     if plan is None:
         if why and q.is_cuda:
             _warn_once(why)
         return _reference_fwd(q, k, v, softmax_scale, causal, (window_left, window_right), softcap)
     b, sq, hq, d = q.shape
-    out = q.new_empty(b, sq, hq, d)
+    out = q.new_empty(b, sq, hq, v.shape[-1])
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
 
-    if _ops_kvcache.use_decode(q.shape[1], q.shape[2], k.shape[2], q.shape[3], num_splits, q.device):
+    mla = v.shape[-1] != d  # the decode kernels take one head dim
+    if not mla and _ops_kvcache.use_decode(q.shape[1], q.shape[2], k.shape[2], d, num_splits, q.device):
         _ops_kvcache.decode_into(
             q, _tma_ready(k), _tma_ready(v), out, lse, softmax_scale, plan.causal, plan.window_left,
             plan.window_right, softcap, num_splits,

@@ -26,12 +26,15 @@ def _varlen_plan(
     window_left: int,
     window_right: int,
     head_dim_v: Optional[int] = None,
+    mla_forward: bool = False,
 ) -> tuple[Optional[_Plan], str]:
     """`_kernel_plan` of a packed call: the max_seqlen bounds stand for the lengths (a window side that masks
     nothing at the longest sequence masks nothing at any)."""
     if k.shape[0] == 0:
         return None, ""
-    return _kernel_plan(q, max_seqlen_q, max_seqlen_k, causal, window_left, window_right, head_dim_v)
+    return _kernel_plan(
+        q, max_seqlen_q, max_seqlen_k, causal, window_left, window_right, head_dim_v, mla_forward=mla_forward
+    )
 
 
 def _varlen_args_if(packed, cu_q, cu_k, used_q, used_k, max_q, max_k):
@@ -75,14 +78,19 @@ def fwd_varlen(
     Short query blocks (max_seqlen_q x GQA group <= DECODE_MAX_ROWS) and forced num_splits > 1 run the
     split-KV decode kernel (`_varlen_decode`); its out and lse feed the same backward.
     """
-    plan, why = _varlen_plan(q, k, max_seqlen_q, max_seqlen_k, causal, window_left, window_right, v.shape[-1])
-    if plan is not None and _ops_kvcache.use_decode(
-        max_seqlen_q, q.shape[1], k.shape[1], q.shape[2], num_splits, q.device
+    plan, why = _varlen_plan(
+        q, k, max_seqlen_q, max_seqlen_k, causal, window_left, window_right, v.shape[-1], mla_forward=True
+    )
+    mla = v.shape[-1] != q.shape[-1]  # the decode kernels take one head dim
+    if (
+        plan is not None
+        and not mla
+        and _ops_kvcache.use_decode(max_seqlen_q, q.shape[1], k.shape[1], q.shape[2], num_splits, q.device)
     ):
         return _decode_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                               softmax_scale, plan, softcap, num_splits)  # fmt: skip
     if plan is not None:
-        out = torch.zeros_like(q, memory_format=torch.contiguous_format)
+        out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
         lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
         fwd_into(
             q,

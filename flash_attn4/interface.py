@@ -51,7 +51,7 @@ def _validate_tensors(q: Any, k: Any, v: Any) -> None:
             "fix the nheads dim (dim 2) of q or of k and v"
         )
     _validate_device_rules(q.device.type, q.dtype, d)
-    if v.shape[3] != d:  # MLA-style (qk 192, v 128): the reference path until a kernel takes it
+    if v.shape[3] != d:  # MLA-style (qk 192, v 128): sm90 forward kernels, the reference elsewhere
         _validate_device_rules(q.device.type, q.dtype, v.shape[3])
 
 

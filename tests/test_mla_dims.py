@@ -1,6 +1,6 @@
 """A v head dim other than q / k's (DeepSeek-style MLA prefill: 192 / 128): attn and attn_varlen, forward
-and gradients, against dense fp64 attention; the CUDA kernels do not take it yet, so it runs on the
-reference (with a warning on CUDA)."""
+and gradients, against dense fp64 attention, on the CPU reference (the sm90 forward kernels:
+tests/test_mla_kernel.py); and the pick of the MLA kernel that serves a pair of head dims."""
 
 from __future__ import annotations
 
@@ -51,3 +51,19 @@ def test_varlen_v_head_dim_differs():
         want, _ = dense(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], True)
         # Rows that see no key (causal, more queries than keys) are 0 here and NaN in the dense softmax.
         torch.testing.assert_close(out[q0:q1], want[0].nan_to_num(0.0), atol=1e-10, rtol=1e-10)
+
+
+def test_mla_head_dims_pick_the_kernel_that_pads_them(monkeypatch):
+    """_build_info.mla_hdims: the MLA kernel whose q / k head dim is the padded one and whose v head dim is at
+    least v's (and below q / k's); None for equal head dims or when no MLA kernel was built."""
+    from flash_attn4 import _build_info
+
+    monkeypatch.setattr(_build_info, "HDIMS", (64, 128, 192, 256))
+    monkeypatch.setattr(_build_info, "MLA_HDIMS", ((192, 128),))
+    assert _build_info.mla_hdims(192, 128) == (192, 128)
+    assert _build_info.mla_hdims(184, 120) == (192, 128)  # both zero-padded
+    assert _build_info.mla_hdims(192, 136) is None  # v wider than the kernel's
+    assert _build_info.mla_hdims(128, 64) is None  # q / k 128: no MLA kernel
+    assert _build_info.mla_hdims(192, 192) is None and _build_info.mla_hdims(192, 100) is None  # 100 % 8
+    monkeypatch.setattr(_build_info, "MLA_HDIMS", ())
+    assert _build_info.mla_hdims(192, 128) is None

@@ -70,8 +70,9 @@ def main() -> int:
     ap.add_argument(
         "--only",
         help="comma-separated subset of fwd90,bwd90,fwd80,bwd80,decode,decode_paged and the block-sparse "
-        "fwd90sparse,bwd90sparse,fwd80sparse,bwd80sparse, ALiBi fwd90alibi,bwd90alibi and dropout "
-        "fwd90dropout,bwd90dropout (default: all but the block-sparse, ALiBi and dropout ones)",
+        "fwd90sparse,bwd90sparse,fwd80sparse,bwd80sparse, ALiBi fwd90alibi,bwd90alibi, dropout "
+        "fwd90dropout,bwd90dropout and fwd90mla (the MLA_HDIMS pair whose q / k head dim is --hdim) "
+        "(default: all but the block-sparse, ALiBi, dropout and MLA ones)",
     )
     ap.add_argument("--keep", type=Path, help="keep the objects in this folder (for tools/sass_stats.py)")
     ap.add_argument(
@@ -123,6 +124,11 @@ def main() -> int:
                     dropout="dropout" in name,
                 )
             ]
+        ]
+        + [
+            (generate_kernels.Kernel("fwd", 90, args.dtype, h, causal, local, hdim_v=hv), 90, ("fwd", 90))
+            for h, hv in generate_kernels.MLA_HDIMS
+            if "fwd90mla" in wanted and h == args.hdim
         ]
         + [
             (

@@ -21,8 +21,12 @@ struct FwdTileSm90 {
   int stages;
 };
 
-constexpr FwdTileSm90 fwd_tile_sm90(int head_dim, bool causal) {
-  return head_dim <= 64    ? FwdTileSm90{128, 128, 2}
+// MLA heads (q / k 192, v 128; head_dim_v 0 means head_dim): V and O are hdim 128's, which leaves room for 128
+// keys a stage: Q 48 KB (O aliases it) + 2 x (K 48 + V 32) KB = 208 KB; S 64 + P 32 + O 64 registers. 144 keys
+// would need 228 KB.
+constexpr FwdTileSm90 fwd_tile_sm90(int head_dim, bool causal, int head_dim_v = 0) {
+  return head_dim_v != 0 && head_dim_v < head_dim ? FwdTileSm90{128, 128, 2}
+         : head_dim <= 64  ? FwdTileSm90{128, 128, 2}
          : head_dim <= 96  ? FwdTileSm90{128, 128, 2}
          : head_dim <= 128 ? FwdTileSm90{128, causal ? 128 : 176, 2}
          : head_dim <= 192 ? FwdTileSm90{128, 112, 2}

@@ -49,13 +49,15 @@ void run_fwd_sm90_unbiased(const FwdParams& p, cudaStream_t stream) {
   }
 }
 
-template <DType kDType, int kHeadDim, bool kCausal, bool kLocal, class Iter = DenseBand, class Bias = NoBias>
+template <DType kDType, int kHeadDim, bool kCausal, bool kLocal, class Iter = DenseBand, class Bias = NoBias,
+          int kHeadDimV = kHeadDim>
 void run_fwd_sm90_16bit(const FwdParams& p, cudaStream_t stream) {
   // Windows mask on both sides: they take the causal tiles (smaller kBlockN, fewer registers for masks).
   // Block-sparse kernels too: their kBlockN must divide the mask's 128-key blocks (causal tiles: 128 up to
   // head dim 128, 64 at 256).
-  constexpr FwdTileSm90 tile = fwd_tile_sm90(kHeadDim, kCausal || kLocal || kIsSparse<Iter>);
-  using Traits = FwdTraitsSm90<CutlassElement<kDType>, kHeadDim, tile.block_m, tile.block_n, tile.stages>;
+  constexpr FwdTileSm90 tile = fwd_tile_sm90(kHeadDim, kCausal || kLocal || kIsSparse<Iter>, kHeadDimV);
+  using Element = CutlassElement<kDType>;
+  using Traits = FwdTraitsSm90<Element, kHeadDim, tile.block_m, tile.block_n, tile.stages, Element, kHeadDimV>;
   if constexpr (Bias::kEnabled) {
     // Biased scores take the one-tile-per-CTA kernel (no softcap: the binding checks).
     launch_sm90<FwdKernelSm90<Traits, kCausal, kLocal, false, Iter, Bias>>(p, stream, "forward launch (ALiBi)");
@@ -77,13 +79,16 @@ void run_fwd_sm90_fp8(const FwdParams& p, cudaStream_t stream) {
   launch_sm90<FwdKernelSm90<Traits, kCausal, kLocal, false>>(p, stream, "fp8 forward kernel launch");
 }
 
-template <DType kDType, int kHeadDim, bool kCausal, bool kLocal, class Iter = DenseBand, class Bias = NoBias>
+// kHeadDimV: v's and o's head dim (MLA instantiations: below kHeadDim).
+template <DType kDType, int kHeadDim, bool kCausal, bool kLocal, class Iter = DenseBand, class Bias = NoBias,
+          int kHeadDimV = kHeadDim>
 void run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   if constexpr (kDType == DType::kE4M3) {
     static_assert(!kIsSparse<Iter> && !Bias::kEnabled && !Bias::kDrops, "no block-sparse, biased or dropout fp8 kernel");
+    static_assert(kHeadDimV == kHeadDim, "no MLA fp8 kernel");
     run_fwd_sm90_fp8<kHeadDim, kCausal, kLocal>(p, stream);
   } else {
-    run_fwd_sm90_16bit<kDType, kHeadDim, kCausal, kLocal, Iter, Bias>(p, stream);
+    run_fwd_sm90_16bit<kDType, kHeadDim, kCausal, kLocal, Iter, Bias, kHeadDimV>(p, stream);
   }
 }
 

@@ -18,8 +18,8 @@ template <class Traits>
 struct EpilogueFwdSm90 {
   using Element = typename Traits::ElementOut;
   static constexpr int kBlockM = Traits::kBlockM;
-  static constexpr int kHeadDim = Traits::kHeadDim;
-  using TileO = Shape<Int<kBlockM>, Int<kHeadDim>>;
+  static constexpr int kHeadDimV = Traits::kHeadDimV;  // v's and o's
+  using TileO = Shape<Int<kBlockM>, Int<kHeadDimV>>;
   using ShapeT = Shape<int32_t, int32_t, int32_t, int32_t>;  // (seqlen_q, head_dim, heads, batch)
   using StrideT = Stride<int64_t, _1, int64_t, int64_t>;
   using TmaO = decltype(make_tma_copy(SM90_TMA_STORE{},
@@ -38,7 +38,7 @@ struct EpilogueFwdSm90 {
 
   static Params to_params(FwdParams const& p) {
     const bool packed = p.cu_seqlens_q != nullptr;
-    ShapeT shape_o = make_shape(packed ? p.total_q : p.seqlen_q, p.head_dim, p.nheads_q, packed ? 1 : p.batch);
+    ShapeT shape_o = make_shape(packed ? p.total_q : p.seqlen_q, int(kHeadDimV), p.nheads_q, packed ? 1 : p.batch);
     Tensor mO = make_tensor(make_gmem_ptr(static_cast<Element*>(p.o)), shape_o,
                             make_stride(p.o_row_stride, _1{}, p.o_head_stride, p.o_batch_stride));
     return {make_tma_copy(SM90_TMA_STORE{}, mO, typename Traits::SmemLayoutO{}, TileO{}, _1{}),

@@ -25,8 +25,10 @@ constexpr auto gmma_smem_atom() {
   }
 }
 
-// Element: q, k, v; ElementOut: o (fp8 inputs write bf16).
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, class ElementOut_ = Element_>
+// Element: q, k, v; ElementOut: o (fp8 inputs write bf16). kHeadDim: q and k; kHeadDimV: v and o (smaller for
+// MLA-style heads, 192 / 128: only the P V GEMM, V's tiles and the output change).
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, class ElementOut_ = Element_,
+          int kHeadDimV_ = kHeadDim_>
 struct FwdTraitsSm90 {
   using Element = Element_;
   using ElementOut = ElementOut_;
@@ -36,6 +38,9 @@ struct FwdTraitsSm90 {
   // O gets its own buffer where it does not fit Q's (a wider output type).
   static constexpr bool kOwnO = sizeof(ElementOut) != sizeof(Element);
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadDimV = kHeadDimV_;
+  static_assert(kHeadDimV <= kHeadDim && kHeadDimV % 16 == 0, "O shares Q's buffer: v's head dim <= q's");
+  static_assert(kHeadDimV == kHeadDim || !kFp8, "fp8: one head dim");
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
@@ -51,7 +56,7 @@ struct FwdTraitsSm90 {
   static constexpr int kConsumerRegs = 240;
 
   using TileShapeQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;  // S = Q K^T: (M, N, K=D)
-  using TileShapePV = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;  // O = P V:   (M, N=D, K=N)
+  using TileShapePV = Shape<Int<kBlockM>, Int<kHeadDimV>, Int<kBlockN>>;  // O = P V:   (M, N=Dv, K=N)
   using AtomLayoutMNK = Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>;
 
   // S from shared Q and K (both K-major); O from P in registers and V^T in shared memory (16-bit: MN-major,
@@ -62,7 +67,7 @@ struct FwdTraitsSm90 {
       GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
       AtomLayoutMNK{}));
   using TiledMmaPV = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockN>>, GMMA::Major::K,
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDimV>, Int<kBlockN>>, GMMA::Major::K,
                            kMajorV>(),
       AtomLayoutMNK{}));
 
@@ -71,19 +76,19 @@ struct FwdTraitsSm90 {
                              Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   // O aliases Q's buffer (unless kOwnO): a consumer warpgroup writes O rows only over its own Q rows, after
   // its own last Q K^T has completed, so the two warpgroups never race on these bytes.
-  using SmemLayoutO = decltype(tile_to_shape(gmma_smem_atom<ElementOut, kHeadDim, GMMA::Major::K>(),
-                                             Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutO = decltype(tile_to_shape(gmma_smem_atom<ElementOut, kHeadDimV, GMMA::Major::K>(),
+                                             Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
   using SmemLayoutK = decltype(tile_to_shape(gmma_smem_atom<Element, kHeadDim, GMMA::Major::K>(),
                                              Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
   // Atoms ordered along N first (Step<_2, _1, _3>): for each 64-wide head-dim slab all kBlockN key rows
   // are contiguous, so one TMA box covers (64, kBlockN) instead of (64, 8): 2 copies per V tile at
   // hdim 128 instead of 32.
   // fp8: K-major V^T tiles, (head_dim, kBlockN) with the keys contiguous.
-  using SmemLayoutVtMN = decltype(tile_to_shape(gmma_smem_atom<Element, kHeadDim, GMMA::Major::MN>(),
-                                                Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
+  using SmemLayoutVtMN = decltype(tile_to_shape(gmma_smem_atom<Element, kHeadDimV, GMMA::Major::MN>(),
+                                                Shape<Int<kHeadDimV>, Int<kBlockN>, Int<kStages>>{},
                                                 Step<_2, _1, _3>{}));
   using SmemLayoutVtK = decltype(tile_to_shape(gmma_smem_atom<Element, kBlockN, GMMA::Major::K>(),
-                                               Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}));
+                                               Shape<Int<kHeadDimV>, Int<kBlockN>, Int<kStages>>{}));
   using SmemLayoutVt = std::conditional_t<kFp8, SmemLayoutVtK, SmemLayoutVtMN>;
 
   using PipelineK = cutlass::PipelineTmaAsync<kStages>;
@@ -91,7 +96,8 @@ struct FwdTraitsSm90 {
   using PipelineState = typename PipelineK::PipelineState;
 
   static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
-  static constexpr uint32_t kTmaBytesKV = kBlockN * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kTmaBytesK = kBlockN * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kTmaBytesV = kBlockN * kHeadDimV * sizeof(Element);
 
   struct SharedStorageShared {
     // 1024-byte alignment: the period of the 128-byte swizzle pattern, required by TMA and WGMMA.

@@ -26,9 +26,10 @@ struct MainloopFwdLoadSm90 {
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kHeadDimV = Traits::kHeadDimV;
   using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
   using TileK = Shape<Int<kBlockN>, Int<kHeadDim>>;
-  using TileVt = Shape<Int<kHeadDim>, Int<kBlockN>>;
+  using TileVt = Shape<Int<kHeadDimV>, Int<kBlockN>>;
   static constexpr bool kSparse = kIsSparse<Iter>;
   using Walk = std::conditional_t<kSparse, SparseWalk<kBlockN>, DenseWalk>;
 
@@ -82,7 +83,7 @@ struct MainloopFwdLoadSm90 {
     const int batch = packed ? 1 : p.batch;
     ShapeT shape_q = make_shape(rows_q, p.head_dim, p.nheads_q, batch);
     ShapeT shape_k = make_shape(rows_k, p.head_dim, p.nheads_kv, batch);
-    ShapeT shape_vt = make_shape(p.head_dim, rows_k, p.nheads_kv, batch);
+    ShapeT shape_vt = make_shape(int(kHeadDimV), rows_k, p.nheads_kv, batch);  // the binding matched v to it
     Tensor mQ = make_tensor(ptr(p.q), shape_q, make_stride(p.q_row_stride, _1{}, p.q_head_stride, p.q_batch_stride));
     Tensor mK = make_tensor(ptr(p.k), shape_k, make_stride(p.k_row_stride, _1{}, p.k_head_stride, p.k_batch_stride));
     Tensor mVt = [&] {
@@ -171,10 +172,12 @@ struct MainloopFwdLoadSm90 {
   // initialization; the caller's __syncthreads follows.
   template <class SharedStorage>
   CUTE_DEVICE static auto make_pipelines(SharedStorage& smem, int warp_group) {
-    const auto pipe_params =
-        tma_pipeline_params<typename Traits::PipelineK>(Traits::kTmaBytesKV, warp_group, Traits::kNumMmaWarpGroups);
-    return cute::make_tuple(typename Traits::PipelineK(smem.pipeline_k, pipe_params, Shape<_1, _1, _1>{}),
-                            typename Traits::PipelineV(smem.pipeline_v, pipe_params, Shape<_1, _1, _1>{}));
+    const auto params_k =
+        tma_pipeline_params<typename Traits::PipelineK>(Traits::kTmaBytesK, warp_group, Traits::kNumMmaWarpGroups);
+    const auto params_v =
+        tma_pipeline_params<typename Traits::PipelineV>(Traits::kTmaBytesV, warp_group, Traits::kNumMmaWarpGroups);
+    return cute::make_tuple(typename Traits::PipelineK(smem.pipeline_k, params_k, Shape<_1, _1, _1>{}),
+                            typename Traits::PipelineV(smem.pipeline_v, params_v, Shape<_1, _1, _1>{}));
   }
 
   CUTE_DEVICE static void prefetch_descriptors(Params const& params) {

@@ -42,7 +42,7 @@ struct MainloopFwdSm90 : MainloopFwdLoadSm90<Traits, Iter, Bias> {
   using Element = typename Base::Element;
   using Params = typename Base::Params;
   using Walk = typename Base::Walk;
-  using Base::kBlockM, Base::kBlockN, Base::kFp8, Base::kHeadDim, Base::kSparse;
+  using Base::kBlockM, Base::kBlockN, Base::kFp8, Base::kHeadDim, Base::kHeadDimV, Base::kSparse;
   static_assert(!kFp8 || (!kSoftcap && !kIsSparse<Iter> && !Bias::kEnabled && !Bias::kDrops),
                 "fp8: no softcap, dense, no bias or dropout");
   static_assert(!(kSoftcap && Bias::kEnabled), "a score bias is added to uncapped scores only");
@@ -51,9 +51,9 @@ struct MainloopFwdSm90 : MainloopFwdLoadSm90<Traits, Iter, Bias> {
   static constexpr bool kTwoLevel = kFp8 && Traits::kHeadDim <= 128;
   template <int kRows>
   using Softmax = OnlineSoftmax<kRows, 4, kFp8 ? 7 : 0>;
-  // For large head dims the O rescale is issued right after the Q K^T GEMM (hidden under it) rather than
-  // after the softmax: O holds 128 registers there and the softmax tail is already long.
-  static constexpr bool kRescaleBeforeGemm = kHeadDim > 128;
+  // For large output head dims the O rescale is issued right after the Q K^T GEMM (hidden under it) rather
+  // than after the softmax: O holds 128 registers there and the softmax tail is already long.
+  static constexpr bool kRescaleBeforeGemm = kHeadDimV > 128;
   using Mask = BlockMask<kBlockM, kBlockN, kCausal, kLocal>;
 
   CUTE_DEVICE static Mask block_mask(Params const& params, SeqInfo const& seq) {

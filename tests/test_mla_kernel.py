@@ -1,0 +1,150 @@
+"""The MLA forward kernels (q / k head dim 192, v head dim 128; sm90): `attn` and `attn_varlen` with a v
+smaller than q and k, against fp64 dense attention by the GPU tests' rule (error <= 2 x the same math's error
+in low precision + a rounding floor), outputs landing in NaN-filled memory so an unwritten element fails.
+No mask, causal, windows, odd lengths, seqlen_q != seqlen_k, GQA, both dtypes, packed batches, head dims
+padded up to the kernel's (184 / 120), and the gradients (the reference backward, from the kernel's out
+and lse)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from test_alibi_kernel import _poison
+from test_block_sparse_kernel import _check  # the GPU tests' rule
+
+import flash_attn4
+from flash_attn4 import _build_info
+
+
+def _gpu_skip() -> str | None:
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if not _build_info.MLA_HDIMS:
+        return "no MLA kernels in this build (FLASH_ATTN4_HDIMS without 192)"
+    arch, why = _build_info.kernel_arch(torch.device("cuda"))
+    return None if arch == 90 else f"the MLA kernels are sm90 ones ({why or f'this GPU takes sm{arch}'})"
+
+
+def dense(q, k, v, causal=False, window=(-1, -1)):
+    """Masked softmax(q k^T / sqrt(d)) v and lse (bottom-right aligned masks); products in q's dtype, the
+    softmax in fp32 (fp64 for fp64 inputs)."""
+    sq, sk, hq, hk, d = q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3]
+    kk, vv = (t.repeat_interleave(hq // hk, dim=2) for t in (k, v))
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    s = torch.einsum("bqhd,bkhd->bhqk", q, kk).to(acc) / math.sqrt(d)
+    i = torch.arange(sq, device=q.device)[:, None] + (sk - sq)
+    j = torch.arange(sk, device=q.device)[None, :]
+    left, right = window
+    right = 0 if causal else right
+    seen = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
+    if right >= 0:
+        seen &= j <= i + right
+    if left >= 0:
+        seen &= j >= i - left
+    s = s.masked_fill(~seen, -math.inf)
+    p = torch.softmax(s, -1).nan_to_num(0.0).to(q.dtype)
+    return torch.einsum("bhqk,bkhd->bqhd", p, vv), torch.logsumexp(s, -1)
+
+
+DTYPES = [dt for dt, n in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")) if n in _build_info.DTYPES]
+CASES = [  # sq, sk, causal, window, hq, hk
+    (1023, 1023, False, (-1, -1), 4, 2),
+    (1023, 1023, True, (-1, -1), 4, 4),
+    (517, 2048, True, (-1, -1), 8, 2),
+    (2048, 517, False, (-1, -1), 4, 1),
+    (1024, 1024, False, (300, 100), 4, 2),
+    (113, 239, False, (-1, -1), 4, 2),
+    (1, 1, False, (-1, -1), 2, 1),
+]
+
+
+def _inputs(d, dv, sq, sk, hq, hk, b=2):
+    g = torch.Generator(device="cuda").manual_seed(sq * 7 + sk + d + dv)
+    return (torch.randn(b, n, h, e, device="cuda", generator=g, dtype=torch.float64)
+            for n, h, e in ((sq, hq, d), (sk, hk, d), (sk, hk, dv)))  # fmt: skip
+
+
+def _dims():
+    return _build_info.MLA_HDIMS or [(192, 128)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_skip() is not None, reason=f"{_gpu_skip()}")
+@pytest.mark.parametrize("dtype", DTYPES or [torch.bfloat16])
+@pytest.mark.parametrize("dims", _dims())
+@pytest.mark.parametrize("sq,sk,causal,window,hq,hk", CASES)
+def test_mla_kernel_matches_reference(dtype, dims, sq, sk, causal, window, hq, hk):
+    q, k, v = _inputs(*dims, sq, sk, hq, hk)
+    low_in = [t.to(dtype) for t in (q, k, v)]
+    _poison(q.shape[0] * sq * hq * dims[1] * 4)
+    out, lse = flash_attn4.attn(*low_in, causal=causal, window_size=window, return_lse=True)
+    assert out.shape == (*q.shape[:3], dims[1]) and out.dtype == dtype
+    truth, low = dense(q, k, v, causal, window), dense(*low_in, causal, window)
+    assert torch.isfinite(out).all()
+    _check("out", out, truth[0], low[0], dtype)
+    _check("lse", lse, truth[1], low[1], dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_skip() is not None, reason=f"{_gpu_skip()}")
+def test_mla_forward_takes_the_kernel_and_the_backward_says_it_does_not(monkeypatch):
+    """No reference warning from the forward; the backward runs the reference and warns once, naming MLA."""
+    d, dv = _dims()[0]
+    q, k, v = (t.to(torch.bfloat16).requires_grad_() for t in _inputs(d, dv, 256, 256, 4, 2))
+    monkeypatch.setattr(flash_attn4._ops, "_warned", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = flash_attn4.attn(q, k, v, causal=True)
+    assert not caught, [str(w.message) for w in caught]
+    with pytest.warns(flash_attn4.ReferenceFallbackWarning, match="v head dim"):
+        out.sum().backward()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_skip() is not None, reason=f"{_gpu_skip()}")
+@pytest.mark.parametrize("causal", [False, True])
+def test_mla_kernel_gradients_and_padded_head_dims(causal):
+    """Head dims below the kernel's (184 / 120: zero-padded in, sliced out) and the gradients, which the
+    reference backward computes from the kernel's out and lse."""
+    d, dv = _dims()[0]
+    q, k, v = _inputs(d - 8, dv - 8, 300, 333, 4, 2)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    go = torch.randn(*q.shape[:3], dv - 8, device="cuda", dtype=torch.float64, generator=g)
+
+    def run(fn, dt):
+        leaves = [t.to(dt).requires_grad_() for t in (q, k, v)]
+        out, _ = fn(*leaves)
+        return (out, *torch.autograd.grad(out, leaves, go.to(dt)))
+
+    got = run(lambda *t: (flash_attn4.attn(*t, causal=causal), None), torch.bfloat16)
+    truth = run(lambda *t: dense(*t, causal), torch.float64)
+    low = run(lambda *t: dense(*t, causal), torch.bfloat16)
+    for name, a, t, lp in zip(("out", "dq", "dk", "dv"), got, truth, low):
+        _check(name, a, t, lp, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_skip() is not None, reason=f"{_gpu_skip()}")
+@pytest.mark.parametrize("causal", [False, True])
+def test_mla_kernel_packed_batch(causal):
+    d, dv = _dims()[0]
+    lens_q, lens_k = [1, 130, 517, 64], [7, 130, 300, 1000]
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(sum(lens_q), 4, d, device="cuda", generator=g, dtype=torch.float64)
+    k = torch.randn(sum(lens_k), 2, d, device="cuda", generator=g, dtype=torch.float64)
+    v = torch.randn(sum(lens_k), 2, dv, device="cuda", generator=g, dtype=torch.float64)
+    cu = [torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+          for n in (lens_q, lens_k)]  # fmt: skip
+    _poison(q.shape[0] * 4 * dv * 4)
+    out, lse = flash_attn4.attn_varlen(*(t.bfloat16() for t in (q, k, v)), *cu, max(lens_q), max(lens_k),
+                                       causal=causal, return_lse=True)  # fmt: skip
+    assert out.shape == (q.shape[0], 4, dv)
+    for b in range(len(lens_q)):
+        (q0, q1), (k0, k1) = (c[b : b + 2].tolist() for c in cu)
+        seg = [t[None, a:e] for t, (a, e) in zip((q, k, v), ((q0, q1), (k0, k1), (k0, k1)))]
+        truth, low = dense(*seg, causal), dense(*(t.bfloat16() for t in seg), causal)
+        _check(f"out[{b}]", out[None, q0:q1], truth[0], low[0], torch.bfloat16)
+        _check(f"lse[{b}]", lse[:, q0:q1][None], truth[1], low[1], torch.bfloat16)
