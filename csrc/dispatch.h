@@ -52,6 +52,7 @@ struct BwdKernelEntry {
   int arch;
   DType dtype;
   int head_dim;
+  int head_dim_v;  // as FwdKernelEntry's
   bool causal;
   bool local;
   bool sparse;  // walks a block mask's transposed lists (SparseList)
@@ -65,11 +66,13 @@ extern const BwdKernelEntry kBwdKernels[];
 extern const int kNumBwdKernels;
 
 inline const BwdKernelEntry* find_bwd_kernel(int arch, DType dtype, int head_dim, bool causal, bool local,
-                                             bool sparse = false, bool alibi = false, bool dropout = false) {
+                                             bool sparse = false, bool alibi = false, bool dropout = false,
+                                             int head_dim_v = 0) {
+  if (head_dim_v == 0) head_dim_v = head_dim;
   for (int i = 0; i < kNumBwdKernels; ++i) {
     const BwdKernelEntry& e = kBwdKernels[i];
-    if (e.arch == arch && e.dtype == dtype && e.head_dim == head_dim && e.causal == causal && e.local == local &&
-        e.sparse == sparse && e.alibi == alibi && e.dropout == dropout) {
+    if (e.arch == arch && e.dtype == dtype && e.head_dim == head_dim && e.head_dim_v == head_dim_v &&
+        e.causal == causal && e.local == local && e.sparse == sparse && e.alibi == alibi && e.dropout == dropout) {
       return &e;
     }
   }
@@ -101,12 +104,12 @@ inline const DecodeKernelEntry* find_decode_kernel(DType dtype, int head_dim, bo
 
 // Declared here, defined (and explicitly instantiated, one combination per .cu) in launch/.
 // Iter: DenseBand / SparseList; Bias (the score modifier): NoBias / Alibi / Dropout (sm90 only); kHeadDimV: v's
-// head dim where it differs from q / k's (MLA, sm90 forward only).
+// head dim where it differs from q / k's (MLA, sm90 only).
 template <int Arch, DType kDType, int kHeadDim, bool kCausal, bool kLocal, class Iter = DenseBand,
           class Bias = NoBias, int kHeadDimV = kHeadDim>
 void run_fwd(const FwdParams& params, cudaStream_t stream);
 template <int Arch, DType kDType, int kHeadDim, bool kCausal, bool kLocal, class Iter = DenseBand,
-          class Bias = NoBias>
+          class Bias = NoBias, int kHeadDimV = kHeadDim>
 void run_bwd(const BwdParams& params, cudaStream_t stream);
 template <DType kDType, int kHeadDim, bool kPaged>
 void run_decode(const DecodeParams& params, const AppendParams* append, cudaStream_t stream);

@@ -335,16 +335,20 @@ at::Tensor bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                                  seqused_q, seqused_k, max_seqlen_q, max_seqlen_k);
   const int hd = q.dim() - 2;
   const int64_t nheads_q = q.size(hd), head_dim = q.size(hd + 1), nheads_kv = k.size(hd);
-  TORCH_CHECK(k.size(hd + 1) == head_dim && v.sizes() == k.sizes() && (o.packed || k.size(0) == q.size(0)),
-              "flash_attn4: k and v must match q's batch and head_dim, got " + str(k.sizes()) + " and " +
-                  str(v.sizes()));
+  // v (and out, dout, dv) may have a smaller head dim than q and k (MLA instantiations).
+  const int64_t head_dim_v = v.size(hd + 1);
+  TORCH_CHECK(k.size(hd + 1) == head_dim && v.sizes().slice(0, hd + 1) == k.sizes().slice(0, hd + 1) &&
+                  (o.packed || k.size(0) == q.size(0)),
+              "flash_attn4: k and v must match q's batch and head_dim (v: but in the last dim), got " +
+                  str(k.sizes()) + " and " + str(v.sizes()));
   TORCH_CHECK(nheads_kv > 0 && nheads_q % nheads_kv == 0, "flash_attn4: nheads_q (" + str(nheads_q) +
                                                               ") must be a multiple of nheads_kv (" +
                                                               str(nheads_kv) + ")");
-  TORCH_CHECK(out.sizes() == q.sizes() && dout.sizes() == q.sizes() && dq.sizes() == q.sizes(),
-              "flash_attn4: out, dout and dq must have q's shape " + str(q.sizes()));
-  TORCH_CHECK(dk.sizes() == k.sizes() && dv.sizes() == k.sizes(),
-              "flash_attn4: dk and dv must have k's shape " + str(k.sizes()));
+  TORCH_CHECK(out.sizes() == dout.sizes() && out.sizes().slice(0, hd + 1) == q.sizes().slice(0, hd + 1) &&
+                  out.size(hd + 1) == head_dim_v && dq.sizes() == q.sizes(),
+              "flash_attn4: dq must have q's shape " + str(q.sizes()) + ", out and dout q's with v's head dim");
+  TORCH_CHECK(dk.sizes() == k.sizes() && dv.sizes() == v.sizes(),
+              "flash_attn4: dk and dv must have k's and v's shapes " + str(k.sizes()) + ", " + str(v.sizes()));
   const std::vector<int64_t> lse_shape =
       o.packed ? std::vector<int64_t>{nheads_q, q.size(0)} : std::vector<int64_t>{o.batch, nheads_q, o.seqlen_q};
   TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.sizes() == at::IntArrayRef(lse_shape),
@@ -374,13 +378,14 @@ at::Tensor bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
   TORCH_CHECK(!(sparse && deterministic), "flash_attn4: the block-sparse backward has no deterministic mode");
   const bool alibi = set_alibi(p, alibi_slopes, o, nheads_q, q, softmax_scale);
   const bool dropout = set_dropout(p, dropout_p, dropout_rng, o, q);
-  const flash4::BwdKernelEntry* entry =
-      flash4::find_bwd_kernel(int(kernel_arch), kdtype, int(head_dim), o.causal, o.local, sparse, alibi, dropout);
+  const flash4::BwdKernelEntry* entry = flash4::find_bwd_kernel(int(kernel_arch), kdtype, int(head_dim), o.causal,
+                                                                o.local, sparse, alibi, dropout, int(head_dim_v));
   TORCH_CHECK(entry != nullptr, "flash_attn4: no compiled " + std::string(sparse ? "block-sparse " : "") +
                                     (alibi ? "ALiBi " : "") + (dropout ? "dropout " : "") +
                                     "backward kernel for sm" + str(kernel_arch) + ", " +
                                     (kdtype == DType::kBF16 ? "bf16" : "fp16") + ", head_dim " + str(head_dim) +
-                                    ", " + mask_name(o));
+                                    (head_dim_v != head_dim ? " (v " + str(head_dim_v) + ")" : "") + ", " +
+                                    mask_name(o));
 
   const c10::cuda::CUDAGuard guard(q.device());
   const int64_t align = flash4::kAccumRowAlign;

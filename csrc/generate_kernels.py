@@ -47,8 +47,8 @@ ALIBI_HDIMS = (64, 96, 128)
 # mask and dtype, dense blocks, at these head dims; the rest run dropout on the PyTorch reference.
 DROPOUT_ARCHS = (90,)
 DROPOUT_HDIMS = (64, 96, 128)
-# MLA-style heads, (q / k head dim, v head dim): sm90 forward kernels of every mask and dtype, dense, no bias,
-# built with the q / k head dim's kernels. Their backward and the Ampere path run on the PyTorch reference.
+# MLA-style heads, (q / k head dim, v head dim): sm90 kernels of both directions, every mask and dtype, dense,
+# no bias, built with the q / k head dim's kernels. The Ampere path runs them on the PyTorch reference.
 MLA_HDIMS = ((192, 128),)
 
 _CPP_DTYPE = {"bf16": "DType::kBF16", "fp16": "DType::kFP16", "e4m3": "DType::kE4M3"}
@@ -158,7 +158,7 @@ def kernels(
     `sparse` adds the block-sparse kernels of SPARSE_HDIMS, both directions, of each family; `fp8` the e4m3
     forwards of FP8_HDIMS where the sm90 family and bf16 are built; `alibi` the ALiBi kernels of the
     ALIBI_ARCHS families, both directions; `dropout` the dropout kernels of DROPOUT_HDIMS likewise; `mla` the
-    sm90 forwards of MLA_HDIMS."""
+    sm90 kernels of MLA_HDIMS, both directions."""
     fams = tuple(fams) if fams is not None else families(archs)
     combos = itertools.product(DIRECTIONS, fams, dtypes, hdims, MASKS)
     ks = [Kernel(direction, a, d, h, c, lo) for direction, a, d, h, (c, lo) in combos]
@@ -176,8 +176,8 @@ def kernels(
         ks += [Kernel(direction, a, d, h, c, lo, dropout=True) for direction, a, d, h, (c, lo) in combos]
     if mla and 90 in fams:
         pairs = [(h, hv) for h, hv in MLA_HDIMS if h in hdims]
-        combos = itertools.product(dtypes, pairs, MASKS)
-        ks += [Kernel("fwd", 90, d, h, c, lo, hdim_v=hv) for d, (h, hv), (c, lo) in combos]
+        combos = itertools.product(DIRECTIONS, dtypes, pairs, MASKS)
+        ks += [Kernel(di, 90, d, h, c, lo, hdim_v=hv) for di, d, (h, hv), (c, lo) in combos]
     if fp8 and 90 in fams and "bf16" in dtypes:
         ks += [Kernel("fwd", 90, "e4m3", h, c, lo) for h in hdims if h in FP8_HDIMS for c, lo in MASKS]
     return ks
@@ -199,7 +199,7 @@ def dropout_hdims(ks: list[Kernel]) -> tuple[int, ...]:
 
 
 def mla_hdims(ks: list[Kernel]) -> tuple[tuple[int, int], ...]:
-    """(q / k, v) head dims with MLA forward kernels in `ks` (for _build_config.py)."""
+    """(q / k, v) head dims with MLA kernels (both directions) in `ks` (for _build_config.py)."""
     return tuple(sorted({(k.hdim, k.hdim_v) for k in ks if k.hdim_v}))
 
 
@@ -218,15 +218,13 @@ def _table(direction: str, ks: list[Kernel]) -> str:
         f"template <>\nvoid run_{direction}<{k.template_args}>(const {params}&, cudaStream_t);\n" for k in ks
     )
     rows = "".join(
-        f"    {{{k.arch}, {_CPP_DTYPE[k.dtype]}, {k.hdim}, {f'{k.v_dim}, ' if direction == 'fwd' else ''}"
-        f"{k.mask_args}, {str(k.sparse).lower()}, "
+        f"    {{{k.arch}, {_CPP_DTYPE[k.dtype]}, {k.hdim}, {k.v_dim}, {k.mask_args}, {str(k.sparse).lower()}, "
         f"{str(k.alibi).lower()}, {str(k.dropout).lower()}, "
         f'&run_{direction}<{k.template_args}>, "{k.name}"}},\n'
         for k in ks
     )
     # A zero-length array is not valid C++: keep a sentinel row that never matches (arch 0).
-    dims = "0, 0" if direction == "fwd" else "0"  # the forward rows also carry v's head dim
-    sentinel = f'    {{0, DType::kBF16, {dims}, false, false, false, false, false, nullptr, "none"}},\n'
+    sentinel = '    {0, DType::kBF16, 0, 0, false, false, false, false, false, nullptr, "none"},\n'
     return (
         decls
         + f"\nconst {entry} {table}[] = {{\n"

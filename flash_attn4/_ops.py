@@ -71,25 +71,25 @@ def _kernel_plan(
     window_left: int,
     window_right: int,
     head_dim_v: Optional[int] = None,
-    mla_forward: bool = False,
+    mla: bool = False,
 ) -> tuple[Optional[_Plan], str]:
     """The one place that picks the path of a call (dense or packed; for packed batches seqlen_q/k are the
     max_seqlen bounds): (plan, "") for the kernels, or (None, why the reference runs; "" when there is nothing
     to compute). Softcap and packed batches need nothing more than the kernel family, which every build has
-    for every mask. A v head dim other than q / k's (MLA) has sm90 forward kernels only: `mla_forward` says
-    the caller is a plain forward (dense or packed; no bias, dropout, sinks or block mask) that takes one."""
+    for every mask. A v head dim other than q / k's (MLA) has sm90 kernels of its own: `mla` says the caller
+    is a plain forward or backward (dense or packed; no bias, dropout, sinks, block mask) that takes them."""
     if q.numel() == 0 or seqlen_q == 0 or seqlen_k == 0:
         return None, ""  # nothing to compute (or only empty rows): no kernel launch, nothing to warn about
     arch, why = _build_info.kernel_available(q.device, q.dtype, q.shape[-1])
     if arch is None:
         return None, why
     if head_dim_v is not None and head_dim_v != q.shape[-1]:
-        mla = _build_info.mla_hdims(q.shape[-1], head_dim_v)
-        if not (mla_forward and arch == 90 and mla is not None):
-            what = "this call" if mla_forward else "this direction or option"
+        dims = _build_info.mla_hdims(q.shape[-1], head_dim_v)
+        if not (mla and arch == 90 and dims is not None):
+            what = "this call" if mla else "ALiBi, dropout, sinks or a block mask"
             return None, (
                 f"no CUDA kernel takes {what} with a v head dim ({head_dim_v}) other than q / k's "
-                f"({q.shape[-1]}): the MLA kernels are sm90 forwards of (q / k, v) head dims "
+                f"({q.shape[-1]}): the MLA kernels are plain sm90 ones of (q / k, v) head dims "
                 f"{_build_info.MLA_HDIMS or '(none built)'}; the PyTorch reference runs"
             )
     return _Plan(arch, *_mask_kind(seqlen_q, seqlen_k, causal, window_left, window_right)), ""
@@ -171,6 +171,16 @@ def _dropout_arg(dropout: Optional[tuple[float, Tensor]]) -> dict:
     return {"dropout_p": float(dropout[0]), "dropout_rng": dropout[1].contiguous()}
 
 
+def _kernel_dims(d: int, dv: int) -> tuple[int, int]:
+    """The (q / k, v) head dims of the built kernel that serves head dims (d, dv), each padded up with zero
+    columns: padded_hdim's for one head dim, the MLA pair's (_build_info.mla_hdims) for two."""
+    dims = _build_info.mla_hdims(d, dv) if dv != d else (_build_info.padded_hdim(d),) * 2
+    if dims is None or dims[0] is None:
+        raise ValueError(f"head dims {d} / {dv} have no built kernel (built: {_build_info.HDIMS}, MLA "
+                         f"{_build_info.MLA_HDIMS})")  # fmt: skip
+    return dims
+
+
 def fwd_into(
     q: Tensor,
     k: Tensor,
@@ -216,13 +226,7 @@ def fwd_into(
     lse_shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
     if lse.shape != lse_shape or lse.dtype != torch.float32 or not lse.is_contiguous():
         raise ValueError(f"lse must be a contiguous float32 tensor of shape {lse_shape}")
-    if dv != d:
-        dpad, dvpad = _build_info.mla_hdims(d, dv) or (None, None)
-    else:
-        dpad = dvpad = _build_info.padded_hdim(d)
-    if dpad is None:
-        raise ValueError(f"head dims {d} / {dv} have no built kernel (built: {_build_info.HDIMS}, MLA "
-                         f"{_build_info.MLA_HDIMS})")  # fmt: skip
+    dpad, dvpad = _kernel_dims(d, dv)
     # Zero columns add nothing to q.k, and zero v columns produce zero output columns, which are dropped.
     if dpad != d:
         q, k = (torch.nn.functional.pad(t, (0, dpad - d)) for t in (q, k))
@@ -293,14 +297,13 @@ def bwd_into(
                 f"{name} must be a {like.dtype} tensor of shape {tuple(like.shape)}, 16-byte aligned, with a "
                 "contiguous last dim and the other strides multiples of 8 elements (a contiguous one will do)"
             )
-    d = q.shape[-1]
-    dpad = _build_info.padded_hdim(d)
-    if dpad is None:
-        raise ValueError(f"head dim {d} has no built kernel (built: {_build_info.HDIMS})")
-    if dpad != d:
+    d, dv_dim = q.shape[-1], v.shape[-1]
+    dpad, dvpad = _kernel_dims(d, dv_dim)
+    padded = (dpad, dvpad) != (d, dv_dim)
+    if padded:
         # As in fwd_into: zero columns change no score; the padded gradient columns are dropped.
-        pad = (0, dpad - d)
-        dout, q, k, v, out = (torch.nn.functional.pad(t, pad) for t in (dout, q, k, v, out))
+        q, k = (torch.nn.functional.pad(t, (0, dpad - d)) for t in (q, k))
+        dout, v, out = (torch.nn.functional.pad(t, (0, dvpad - dv_dim)) for t in (dout, v, out))
         dq_k, dk_k, dv_k = (t.new_zeros(*t.shape) for t in (q, k, v))
     else:
         dq_k, dk_k, dv_k = dq, dk, dv
@@ -323,10 +326,10 @@ def bwd_into(
         **_alibi_arg(alibi_slopes),
         **_dropout_arg(dropout),
     )
-    if dpad != d:
+    if padded:
         dq.copy_(dq_k[..., :d])
         dk.copy_(dk_k[..., :d])
-        dv.copy_(dv_k[..., :d])
+        dv.copy_(dv_k[..., :dv_dim])
     return dpsum
 
 
@@ -390,7 +393,7 @@ def fwd_impl(
     float64 inputs (CPU reference only), so that gradcheck can check gradients through lse.
     """
     plan, why = _kernel_plan(
-        q, q.shape[1], k.shape[1], causal, window_left, window_right, v.shape[-1], mla_forward=True
+        q, q.shape[1], k.shape[1], causal, window_left, window_right, v.shape[-1], mla=True
     )
     if plan is None:
         if why and q.is_cuda:
@@ -448,7 +451,9 @@ def bwd(
     float64 for float64 inputs; written out rather than taken with torch.func.vjp, which breaks under
     dispatch modes such as opcheck's schema check), with a one-time warning on CUDA.
     """
-    plan, why = _kernel_plan(q, q.shape[1], k.shape[1], causal, window_left, window_right, v.shape[-1])
+    plan, why = _kernel_plan(
+        q, q.shape[1], k.shape[1], causal, window_left, window_right, v.shape[-1], mla=True
+    )
     if plan is not None:
         dq, dk, dv = (_grad_like(t) for t in (q, k, v))
         bwd_into(

@@ -26,15 +26,13 @@ def _varlen_plan(
     window_left: int,
     window_right: int,
     head_dim_v: Optional[int] = None,
-    mla_forward: bool = False,
+    mla: bool = False,
 ) -> tuple[Optional[_Plan], str]:
     """`_kernel_plan` of a packed call: the max_seqlen bounds stand for the lengths (a window side that masks
     nothing at the longest sequence masks nothing at any)."""
     if k.shape[0] == 0:
         return None, ""
-    return _kernel_plan(
-        q, max_seqlen_q, max_seqlen_k, causal, window_left, window_right, head_dim_v, mla_forward=mla_forward
-    )
+    return _kernel_plan(q, max_seqlen_q, max_seqlen_k, causal, window_left, window_right, head_dim_v, mla=mla)
 
 
 def _varlen_args_if(packed, cu_q, cu_k, used_q, used_k, max_q, max_k):
@@ -79,7 +77,7 @@ def fwd_varlen(
     split-KV decode kernel (`_varlen_decode`); its out and lse feed the same backward.
     """
     plan, why = _varlen_plan(
-        q, k, max_seqlen_q, max_seqlen_k, causal, window_left, window_right, v.shape[-1], mla_forward=True
+        q, k, max_seqlen_q, max_seqlen_k, causal, window_left, window_right, v.shape[-1], mla=True
     )
     mla = v.shape[-1] != q.shape[-1]  # the decode kernels take one head dim
     if (
@@ -166,7 +164,9 @@ def bwd_varlen(
     deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Varlen backward: dq like q, dk like k, dv like v (zero outside every sequence); through lse too."""
-    plan, why = _varlen_plan(q, k, max_seqlen_q, max_seqlen_k, causal, window_left, window_right, v.shape[-1])
+    plan, why = _varlen_plan(
+        q, k, max_seqlen_q, max_seqlen_k, causal, window_left, window_right, v.shape[-1], mla=True
+    )
     if plan is not None:
         # Zeros: the kernel writes only rows inside the sequences.
         dq, dk, dv = (torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))

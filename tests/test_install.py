@@ -269,9 +269,9 @@ def test_families_override_and_decode_head_dims(setup_module, monkeypatch):
     )
 
 
-def test_mla_kernels_are_sm90_forwards_of_the_q_head_dim(tmp_path):
-    """MLA instantiations: sm90 forwards of every MLA_HDIMS pair whose q / k head dim is built, every mask and
-    dtype, named and dispatched with v's head dim; none on the Ampere path or for the backward."""
+def test_mla_kernels_are_sm90_ones_of_the_q_head_dim(tmp_path):
+    """MLA instantiations: sm90 kernels of both directions for every MLA_HDIMS pair whose q / k head dim is
+    built, every mask and dtype, named and dispatched with v's head dim; none on the Ampere path."""
     sys.path.insert(0, str(ROOT / "csrc"))
     try:
         import generate_kernels
@@ -279,13 +279,16 @@ def test_mla_kernels_are_sm90_forwards_of_the_q_head_dim(tmp_path):
         sys.path.remove(str(ROOT / "csrc"))
     ks = generate_kernels.kernels(archs=[90, 80], dtypes=["bf16", "fp16"], hdims=[128, 192])
     mla = [k for k in ks if k.hdim_v]
-    assert {(k.direction, k.arch, k.hdim, k.hdim_v) for k in mla} == {("fwd", 90, 192, 128)}
-    assert len(mla) == 2 * 3 and generate_kernels.mla_hdims(ks) == ((192, 128),)
+    assert {(k.arch, k.hdim, k.hdim_v) for k in mla} == {(90, 192, 128)}
+    assert {k.direction for k in mla} == {"fwd", "bwd"}
+    assert len(mla) == 2 * 2 * 3 and generate_kernels.mla_hdims(ks) == ((192, 128),)
     assert not [k for k in generate_kernels.kernels(archs=[90], hdims=[128]) if k.hdim_v]
     assert not [k for k in generate_kernels.kernels(archs=[80], hdims=[192]) if k.hdim_v]
     generate_kernels.generate(tmp_path, ks)
     source = (tmp_path / "fwd_sm90_bf16_hdim192v128_causal.cu").read_text()
     assert "run_fwd_sm90<DType::kBF16, 192, true, false, DenseBand, NoBias, 128>" in source
+    source = (tmp_path / "bwd_sm90_bf16_hdim192v128_causal.cu").read_text()
+    assert "run_bwd_sm90<DType::kBF16, 192, true, false, DenseBand, NoBias, 128>" in source
     table = (tmp_path / "kernel_table.cpp").read_text()
-    assert "{90, DType::kBF16, 192, 128, true, false," in table
-    assert "{90, DType::kBF16, 192, 192, true, false," in table  # the plain hdim 192 row
+    assert table.count("{90, DType::kBF16, 192, 128, true, false,") == 2  # forward and backward rows
+    assert table.count("{90, DType::kBF16, 192, 192, true, false,") == 2  # the plain hdim 192 rows

@@ -1,9 +1,8 @@
-"""The MLA forward kernels (q / k head dim 192, v head dim 128; sm90): `attn` and `attn_varlen` with a v
-smaller than q and k, against fp64 dense attention by the GPU tests' rule (error <= 2 x the same math's error
-in low precision + a rounding floor), outputs landing in NaN-filled memory so an unwritten element fails.
-No mask, causal, windows, odd lengths, seqlen_q != seqlen_k, GQA, both dtypes, packed batches, head dims
-padded up to the kernel's (184 / 120), and the gradients (the reference backward, from the kernel's out
-and lse)."""
+"""The MLA kernels (q / k head dim 192, v head dim 128; sm90, both directions): `attn` and `attn_varlen` with
+a v smaller than q and k, against fp64 dense attention by the GPU tests' rule (error <= 2 x the same math's
+error in low precision + a rounding floor), outputs landing in NaN-filled memory so an unwritten element
+fails. Out, lse, dq, dk, dv; no mask, causal, windows, odd lengths, seqlen_q != seqlen_k, GQA, both dtypes,
+packed batches, head dims padded up to the kernel's (184 / 120), deterministic dq."""
 
 from __future__ import annotations
 
@@ -78,37 +77,51 @@ def _dims():
 @pytest.mark.parametrize("sq,sk,causal,window,hq,hk", CASES)
 def test_mla_kernel_matches_reference(dtype, dims, sq, sk, causal, window, hq, hk):
     q, k, v = _inputs(*dims, sq, sk, hq, hk)
-    low_in = [t.to(dtype) for t in (q, k, v)]
-    _poison(q.shape[0] * sq * hq * dims[1] * 4)
-    out, lse = flash_attn4.attn(*low_in, causal=causal, window_size=window, return_lse=True)
-    assert out.shape == (*q.shape[:3], dims[1]) and out.dtype == dtype
-    truth, low = dense(q, k, v, causal, window), dense(*low_in, causal, window)
-    assert torch.isfinite(out).all()
-    _check("out", out, truth[0], low[0], dtype)
-    _check("lse", lse, truth[1], low[1], dtype)
+    g = torch.Generator(device="cuda").manual_seed(sk)
+    go = torch.randn(*q.shape[:3], dims[1], device="cuda", dtype=torch.float64, generator=g)
+    gl = torch.randn(q.shape[0], hq, sq, device="cuda", dtype=torch.float64, generator=g)
+
+    def run(fn, dt):
+        leaves = [t.to(dt).requires_grad_() for t in (q, k, v)]
+        out, lse = fn(*leaves)
+        grads = torch.autograd.grad((out * go.to(dt)).sum() + (lse * gl.to(lse.dtype)).sum(), leaves)
+        return (out, lse, *grads)
+
+    _poison(q.shape[0] * sq * hq * dims[0] * 8)
+    got = run(lambda *t: flash_attn4.attn(*t, causal=causal, window_size=window, return_lse=True), dtype)
+    assert got[0].shape == (*q.shape[:3], dims[1]) and got[0].dtype == dtype
+    truth = run(lambda *t: dense(*t, causal, window), torch.float64)
+    low = run(lambda *t: dense(*t, causal, window), dtype)
+    for name, a, t, lp in zip(("out", "lse", "dq", "dk", "dv"), got, truth, low):
+        assert torch.isfinite(a).all(), name
+        _check(name, a, t, lp, dtype)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(_gpu_skip() is not None, reason=f"{_gpu_skip()}")
-def test_mla_forward_takes_the_kernel_and_the_backward_says_it_does_not(monkeypatch):
-    """No reference warning from the forward; the backward runs the reference and warns once, naming MLA."""
+def test_mla_takes_the_kernels_in_both_directions(monkeypatch):
+    """No reference-fallback warning from the forward or the backward, and a deterministic dq is bitwise
+    reproducible."""
     d, dv = _dims()[0]
-    q, k, v = (t.to(torch.bfloat16).requires_grad_() for t in _inputs(d, dv, 256, 256, 4, 2))
+    q, k, v = (t.to(torch.bfloat16) for t in _inputs(d, dv, 517, 700, 4, 2))
     monkeypatch.setattr(flash_attn4._ops, "_warned", set())
+    go = torch.randn(*q.shape[:3], dv, device="cuda", dtype=torch.bfloat16)
+    grads = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = flash_attn4.attn(q, k, v, causal=True)
+        for _ in range(2):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = flash_attn4.attn(*leaves, causal=True, deterministic=True)
+            grads.append(torch.autograd.grad(out, leaves, go))
     assert not caught, [str(w.message) for w in caught]
-    with pytest.warns(flash_attn4.ReferenceFallbackWarning, match="v head dim"):
-        out.sum().backward()
+    assert torch.equal(grads[0][0], grads[1][0])
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(_gpu_skip() is not None, reason=f"{_gpu_skip()}")
 @pytest.mark.parametrize("causal", [False, True])
 def test_mla_kernel_gradients_and_padded_head_dims(causal):
-    """Head dims below the kernel's (184 / 120: zero-padded in, sliced out) and the gradients, which the
-    reference backward computes from the kernel's out and lse."""
+    """Head dims below the kernel's (184 / 120: zero-padded in, sliced out), forward and gradients."""
     d, dv = _dims()[0]
     q, k, v = _inputs(d - 8, dv - 8, 300, 333, 4, 2)
     g = torch.Generator(device="cuda").manual_seed(5)

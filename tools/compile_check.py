@@ -71,7 +71,7 @@ def main() -> int:
         "--only",
         help="comma-separated subset of fwd90,bwd90,fwd80,bwd80,decode,decode_paged and the block-sparse "
         "fwd90sparse,bwd90sparse,fwd80sparse,bwd80sparse, ALiBi fwd90alibi,bwd90alibi, dropout "
-        "fwd90dropout,bwd90dropout and fwd90mla (the MLA_HDIMS pair whose q / k head dim is --hdim) "
+        "fwd90dropout,bwd90dropout and fwd90mla,bwd90mla (the MLA_HDIMS pair whose q / k head dim is --hdim) "
         "(default: all but the block-sparse, ALiBi, dropout and MLA ones)",
     )
     ap.add_argument("--keep", type=Path, help="keep the objects in this folder (for tools/sass_stats.py)")
@@ -126,9 +126,11 @@ def main() -> int:
             ]
         ]
         + [
-            (generate_kernels.Kernel("fwd", 90, args.dtype, h, causal, local, hdim_v=hv), 90, ("fwd", 90))
+            (generate_kernels.Kernel(name[:3], 90, args.dtype, h, causal, local, hdim_v=hv), 90, (name[:3], 90))
+            for name in ("fwd90mla", "bwd90mla")
+            if name in wanted
             for h, hv in generate_kernels.MLA_HDIMS
-            if "fwd90mla" in wanted and h == args.hdim
+            if h == args.hdim
         ]
         + [
             (

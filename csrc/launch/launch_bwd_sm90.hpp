@@ -17,17 +17,24 @@
 
 namespace flash4 {
 
-template <DType kDType, int kHeadDim, bool kCausal, bool kLocal, class Iter = DenseBand, class Bias = NoBias>
+// kHeadDimV: v's, out's and dO's head dim; below kHeadDim only in the MLA instantiations, which take the wide
+// kernel (head dim 192).
+template <DType kDType, int kHeadDim, bool kCausal, bool kLocal, class Iter = DenseBand, class Bias = NoBias,
+          int kHeadDimV = kHeadDim>
 void run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   using Element = CutlassElement<kDType>;
   // Head dim <= 128: dK and dV split along keys across the warpgroups; above (wide): along head_dim.
   constexpr BwdTileSm90 tile = bwd_tile_sm90(kHeadDim);
-  using Traits = std::conditional_t<tile.wide, BwdWideTraitsSm90<Element, kHeadDim, tile.block_m, tile.block_n, tile.stages>,
-                                    BwdTraitsSm90<Element, kHeadDim, tile.block_m, tile.block_n, tile.stages>>;
+  static_assert(tile.wide || kHeadDimV == kHeadDim, "MLA head dims take the wide backward");
+  using Traits =
+      std::conditional_t<tile.wide,
+                         BwdWideTraitsSm90<Element, kHeadDim, tile.block_m, tile.block_n, tile.stages, kHeadDimV>,
+                         BwdTraitsSm90<Element, kHeadDim, tile.block_m, tile.block_n, tile.stages>>;
   if (p.seqlen_q_rounded % Traits::kBlockM != 0) {
     throw std::runtime_error("flash_attn4: seqlen_q_rounded must be a multiple of the backward's kBlockM");
   }
-  bwd_preprocess_kernel<Element, kHeadDim><<<prepost_grid<kHeadDim>(p), kPrePostThreads, 0, stream>>>(p);
+  // D = rowsum(dO o O) runs over v's head dim.
+  bwd_preprocess_kernel<Element, kHeadDimV><<<prepost_grid<kHeadDimV>(p), kPrePostThreads, 0, stream>>>(p);
   check_cuda(cudaGetLastError(), "backward pre-pass launch");
   using OneTile = BwdKernelSm90<Traits, kCausal, kLocal, Iter, Bias>;
   // Sliding windows of fixed-length batches at head dims <= 128, when the window is at most half the sequence

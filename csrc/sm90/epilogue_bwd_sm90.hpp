@@ -215,12 +215,17 @@ struct EpilogueBwdSm90 {
   // accumulators (4-byte pairs, 8 rows a warp instruction) they took ~9.2k cycles a CTA on the H200, 7% of a
   // 4096-window CTA at hdim 128 (tools/trace_tiles.py). The persistent kernel stores by TMA instead
   // (DkvTmaStoreSm90 below).
-  template <class FragKV>
-  CUTE_DEVICE void store(Params const& params, SharedStorage& smem, FragKV const& tdKrdK, FragKV const& tdVrdV,
+  // MLA (v's head dim below q / k's): dV has its own accumulator shape (TiledMmadV, kHeadDimV columns).
+  template <class FragK, class FragV>
+  CUTE_DEVICE void store(Params const& params, SharedStorage& smem, FragK const& tdKrdK, FragV const& tdVrdV,
                          int thread_idx, int n_block, int bidh_kv, Seq const& seq) const {
+    constexpr int kHeadDimV = Traits::kHeadDimV;
     typename Traits::TiledMmadKV mma_dkv;
-    auto thr_dkv = mma_dkv.get_thread_slice(thread_idx);
-    Tensor tdKVcdKV = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+    typename Traits::TiledMmadV mma_dv;
+    Tensor tdKcdK = mma_dkv.get_thread_slice(thread_idx).partition_C(
+        make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+    Tensor tdVcdV = mma_dv.get_thread_slice(thread_idx).partition_C(
+        make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDimV>>{}));
     // The tile spans smem.q and smem.dout, adjacent members (1024-aligned, sizes multiples of 1024).
     constexpr int kTileBytes = kBlockN * staged_pitch<kHeadDim> * int(sizeof(Element));
     static_assert(sizeof(smem.q) % 1024 == 0 && kTileBytes <= int(sizeof(smem.q) + sizeof(smem.dout)),
@@ -231,17 +236,18 @@ struct EpilogueBwdSm90 {
     // past this barrier, and the producer has no load left in flight.
     sync();
     const int rows = seq.info.seqlen_k - n_block * kBlockN;
-    auto write = [&](FragKV const& acc, void* base, int64_t batch_stride, int64_t row_stride, int64_t head_stride,
-                     float scale) {
+    auto write = [&](auto cols, auto const& coords, auto const& acc, void* base, int64_t batch_stride,
+                     int64_t row_stride, int64_t head_stride, float scale) {
       Element* out = static_cast<Element*>(base) + seq.info.batch * batch_stride + bidh_kv * head_stride +
                      (int64_t(seq.info.offset_k) + n_block * kBlockN) * row_stride;
-      store_staged<Element, kBlockN, kHeadDim, Traits::kNumMmaThreads>(
-          tdKVcdKV, [&](int e) { return acc(e); }, scale, out, row_stride, rows, tile, 0, thread_idx, sync);
+      store_staged<Element, kBlockN, decltype(cols)::value, Traits::kNumMmaThreads>(
+          coords, [&](int e) { return acc(e); }, scale, out, row_stride, rows, tile, 0, thread_idx, sync);
     };
-    write(tdKrdK, params.dk, params.dk_batch_stride, params.dk_row_stride, params.dk_head_stride,
-          params.softmax_scale);
+    write(Int<kHeadDim>{}, tdKcdK, tdKrdK, params.dk, params.dk_batch_stride, params.dk_row_stride,
+          params.dk_head_stride, params.softmax_scale);
     sync();  // every thread has read dK's rows out of the tile
-    write(tdVrdV, params.dv, params.dv_batch_stride, params.dv_row_stride, params.dv_head_stride, 1.f);
+    write(Int<kHeadDimV>{}, tdVcdV, tdVrdV, params.dv, params.dv_batch_stride, params.dv_row_stride,
+          params.dv_head_stride, 1.f);
   }
 
 };

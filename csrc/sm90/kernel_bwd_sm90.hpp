@@ -104,8 +104,9 @@ struct BwdKernelSm90 {
       const int thread_idx = int(threadIdx.x) - 128;
       if (thread_idx == 0) trace.stamp(TraceSlot::kConsumerRegs);
       typename Traits::TiledMmadKV mma_dkv;
+      typename Traits::TiledMmadV mma_dv;  // mma_dkv's type unless MLA (v's head dim below q / k's)
       Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
-      Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+      Tensor tdVrdV = partition_fragment_C(mma_dv, Shape<Int<kBlockN>, Int<Traits::kHeadDimV>>{});
       if constexpr (Traits::kWide) {
         mainloop.mma_wide(params.mainloop, pipeline, smem, epilogue, params.epilogue, tdKrdK, tdVrdV, thread_idx,
                           n_block, bidh_kv, seq);

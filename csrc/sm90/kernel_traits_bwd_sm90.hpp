@@ -31,6 +31,7 @@ struct BwdTraitsSm90 {
   using Element = Element_;
   static constexpr bool kWide = false;
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadDimV = kHeadDim_;  // one head dim (MLA heads take the wide traits)
   static constexpr int kBlockM = kBlockM_;  // queries per step
   static constexpr int kBlockN = kBlockN_;  // keys per CTA
   static constexpr int kStages = kStages_;
@@ -53,6 +54,7 @@ struct BwdTraitsSm90 {
       GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockM>>, GMMA::Major::K,
                            GMMA::Major::MN>(),
       AtomLayoutKeys{}));
+  using TiledMmadV = TiledMmadKV;
   // dQ = dS K: (queries, head_dim, keys). The two warpgroups split head_dim (each a 64 x head_dim/2
   // accumulator: 32 registers at hdim 128 instead of 64 for a split over keys) and both read all 128 keys
   // of dS, so dS goes through shared memory from both warpgroups. A = dS with queries contiguous, B = K^T.
@@ -123,11 +125,15 @@ struct BwdTraitsSm90 {
 //   dQ[:, half w]  = dS K[:, half w]                                                  (SS, as the narrow kernel)
 // and dQ goes straight from registers to dq_accum with 16-byte reductions in the post-pass's order (its
 // shared-memory staging would not fit beside two Q/dO stages at head dim 256).
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
+// kHeadDimV: v's and dO's head dim (MLA heads, 192 / 128: below kHeadDim); it shapes V, dO, dP^T's reduction
+// and the dV accumulator (kHeadDimV / 2 columns a warpgroup).
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, int kHeadDimV_ = kHeadDim_>
 struct BwdWideTraitsSm90 {
   using Element = Element_;
   static constexpr bool kWide = true;
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadDimV = kHeadDimV_;
+  static_assert(kHeadDimV <= kHeadDim && kHeadDimV % 32 == 0);
   static constexpr int kBlockM = kBlockM_;  // queries per step
   static constexpr int kBlockN = kBlockN_;  // keys per CTA
   static constexpr int kStages = kStages_;
@@ -139,17 +145,22 @@ struct BwdWideTraitsSm90 {
   static constexpr int kNumThreads = kNumMmaThreads + 128;
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
-  static constexpr int kHalf = kHeadDim / 2;  // head_dim columns per warpgroup
+  static constexpr int kHalf = kHeadDim / 2;    // head_dim columns per warpgroup (dK, dQ)
+  static constexpr int kHalfV = kHeadDimV / 2;  // v head_dim columns per warpgroup (dV)
 
   using SplitN = Layout<Shape<_1, Int<kNumMmaWarpGroups>, _1>>;  // warpgroup w owns N block w
   // S^T and dP^T: (keys, queries, head_dim); warpgroup w: queries [32w, 32w + 32).
   using TiledMmaSdP = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockM / 2>, Int<kHeadDim>>>(), SplitN{}));
-  // dV and dK: (keys, head_dim, queries); A = P^T / dS^T (queries contiguous), B = dO^T / Q^T (MN-major).
+  // dK and dV: (keys, head_dim, queries); A = dS^T / P^T (queries contiguous), B = Q^T / dO^T (MN-major).
   using TiledMmadKV = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHalf>, Int<kBlockM>>, GMMA::Major::K,
                            GMMA::Major::MN>(),
       SplitN{}));
+  using TiledMmadV = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHalfV>, Int<kBlockM>>, GMMA::Major::K,
+                           GMMA::Major::MN>(),
+      SplitN{}));  // TiledMmadKV's type where kHeadDimV == kHeadDim
   // dQ = dS K: (queries, head_dim, keys), A = dS (queries contiguous), B = K^T.
   using TiledMmadQ = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kHalf>, Int<kBlockN>>,
@@ -160,15 +171,19 @@ struct BwdWideTraitsSm90 {
   // starts on an atom boundary (a canonical GMMA layout); V is only read whole.
   using SmemLayoutK = decltype(tile_to_shape(gmma_smem_atom<Element, kHalf, GMMA::Major::K>(),
                                              Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  using SmemLayoutV = decltype(tile_to_shape(gmma_smem_atom<Element, kHeadDim, GMMA::Major::K>(),
-                                             Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  using SmemLayoutV = decltype(tile_to_shape(gmma_smem_atom<Element, kHeadDimV, GMMA::Major::K>(),
+                                             Shape<Int<kBlockN>, Int<kHeadDimV>>{}));
   using SmemLayoutQ = decltype(tile_to_shape(gmma_smem_atom<Element, kHalf, GMMA::Major::K>(),
                                              Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
-  using SmemLayoutdO = SmemLayoutQ;
   using SmemLayoutQt = decltype(composition(
       SmemLayoutQ{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{},
                                  Stride<Int<kBlockM>, _1, Int<kBlockM * kHeadDim>>{})));
-  using SmemLayoutdOt = SmemLayoutQt;
+  // dO: Q's layouts at v's head dim (the same types where kHeadDimV == kHeadDim).
+  using SmemLayoutdO = decltype(tile_to_shape(gmma_smem_atom<Element, kHalfV, GMMA::Major::K>(),
+                                              Shape<Int<kBlockM>, Int<kHeadDimV>, Int<kStages>>{}));
+  using SmemLayoutdOt = decltype(composition(
+      SmemLayoutdO{}, make_layout(Shape<Int<kHeadDimV>, Int<kBlockM>, Int<kStages>>{},
+                                  Stride<Int<kBlockM>, _1, Int<kBlockM * kHeadDimV>>{})));
   using SmemLayoutKt = decltype(composition(
       SmemLayoutK{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{})));
   // P and dS: (queries, keys, buffer), queries contiguous; the (keys, queries, buffer) view of the same
@@ -186,8 +201,9 @@ struct BwdWideTraitsSm90 {
   static constexpr int kdQChunk = kBlockM * kHeadDim / kNumMmaWarpGroups;  // floats per warpgroup per step
   static_assert(kdQChunk % (4 * 128) == 0, "each thread's dQ fragment must be whole float4s");
 
-  static constexpr uint32_t kTmaBytesKV = 2 * kBlockN * kHeadDim * sizeof(Element);
-  static constexpr uint32_t kTmaBytesQdO = 2 * kBlockM * kHeadDim * sizeof(Element) + 2 * kBlockM * sizeof(float);
+  static constexpr uint32_t kTmaBytesKV = kBlockN * (kHeadDim + kHeadDimV) * sizeof(Element);
+  static constexpr uint32_t kTmaBytesQdO =
+      kBlockM * (kHeadDim + kHeadDimV) * sizeof(Element) + 2 * kBlockM * sizeof(float);
 
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;

@@ -42,6 +42,7 @@ struct MainloopBwdLoadSm90 {
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kHeadDimV = Traits::kHeadDimV;  // v's and dO's (MLA: below kHeadDim)
   using SharedStorage = typename Traits::SharedStorage;
   using Mask = BlockMask<kBlockM, kBlockN, kCausal, kLocal>;
   using Scores = ScoresBwdSm90<kBlockM, kBlockN>;
@@ -55,6 +56,8 @@ struct MainloopBwdLoadSm90 {
   using StrideRow = Stride<_1, int64_t, int64_t>;
   using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
   using TileK = Shape<Int<kBlockN>, Int<kHeadDim>>;
+  using TileDO = Shape<Int<kBlockM>, Int<kHeadDimV>>;
+  using TileV = Shape<Int<kBlockN>, Int<kHeadDimV>>;
   using TileRow = Shape<Int<kBlockM>>;
 
   template <class Stride, class Shape_, class SmemLayout, class Tile, class T = Element>
@@ -63,12 +66,14 @@ struct MainloopBwdLoadSm90 {
                                                      Stride{}),
                                          SmemLayout{}, Tile{}, _1{}));
   using TmaQ = TmaLoad<StrideT, ShapeT, decltype(take<0, 2>(typename Traits::SmemLayoutQ{})), TileQ>;
+  using TmaDO = TmaLoad<StrideT, ShapeT, decltype(take<0, 2>(typename Traits::SmemLayoutdO{})), TileDO>;
   using TmaK = TmaLoad<StrideT, ShapeT, typename Traits::SmemLayoutK, TileK>;
-  using TmaV = TmaLoad<StrideT, ShapeT, typename Traits::SmemLayoutV, TileK>;
+  using TmaV = TmaLoad<StrideT, ShapeT, typename Traits::SmemLayoutV, TileV>;
   using TmaRow = TmaLoad<StrideRow, ShapeRow, Layout<TileRow>, TileRow, float>;
 
   struct Params {
-    TmaQ tma_q, tma_do;
+    TmaQ tma_q;
+    TmaDO tma_do;  // TmaQ's type unless MLA
     TmaK tma_k;
     TmaV tma_v;
     TmaRow tma_lse, tma_dpsum;
@@ -104,6 +109,15 @@ struct MainloopBwdLoadSm90 {
     return 2 * tail <= num_blocks ? tail : 0;
   }
 
+  // dO's and V's global shapes: q's and k's with v's head dim (the binding matched v to the instantiation).
+  CUTE_HOST_DEVICE static ShapeT v_shape(ShapeT const& s) {
+    if constexpr (kHeadDimV == kHeadDim) {
+      return s;
+    } else {
+      return make_shape(get<0>(s), int(kHeadDimV), get<2>(s), get<3>(s));
+    }
+  }
+
   static Params to_params(BwdParams const& p) {
     auto ptr = [](const void* x) { return make_gmem_ptr(static_cast<Element const*>(x)); };
     // Packed batches: one batch of all rows, coordinates offset per sequence (see the forward mainloop).
@@ -114,17 +128,18 @@ struct MainloopBwdLoadSm90 {
     ShapeRow shape_row = make_shape(int(p.accum_head_stride), p.nheads_q, batch);
     auto row_stride = make_stride(_1{}, p.accum_head_stride, p.accum_batch_stride);
     Tensor mQ = make_tensor(ptr(p.q), shape_q, make_stride(p.q_row_stride, _1{}, p.q_head_stride, p.q_batch_stride));
-    Tensor mdO = make_tensor(ptr(p.dout), shape_q,
+    Tensor mdO = make_tensor(ptr(p.dout), v_shape(shape_q),
                              make_stride(p.dout_row_stride, _1{}, p.dout_head_stride, p.dout_batch_stride));
     Tensor mK = make_tensor(ptr(p.k), shape_k, make_stride(p.k_row_stride, _1{}, p.k_head_stride, p.k_batch_stride));
-    Tensor mV = make_tensor(ptr(p.v), shape_k, make_stride(p.v_row_stride, _1{}, p.v_head_stride, p.v_batch_stride));
+    Tensor mV = make_tensor(ptr(p.v), v_shape(shape_k),
+                            make_stride(p.v_row_stride, _1{}, p.v_head_stride, p.v_batch_stride));
     Tensor mLse = make_tensor(make_gmem_ptr(static_cast<float const*>(p.lse_log2)), shape_row, row_stride);
     Tensor mDpsum = make_tensor(make_gmem_ptr(static_cast<float const*>(p.dpsum)), shape_row, row_stride);
     auto sQ = take<0, 2>(typename Traits::SmemLayoutQ{});
     return {make_tma_copy(SM90_TMA_LOAD{}, mQ, sQ, TileQ{}, _1{}),
-            make_tma_copy(SM90_TMA_LOAD{}, mdO, sQ, TileQ{}, _1{}),
+            make_tma_copy(SM90_TMA_LOAD{}, mdO, take<0, 2>(typename Traits::SmemLayoutdO{}), TileDO{}, _1{}),
             make_tma_copy(SM90_TMA_LOAD{}, mK, typename Traits::SmemLayoutK{}, TileK{}, _1{}),
-            make_tma_copy(SM90_TMA_LOAD{}, mV, typename Traits::SmemLayoutV{}, TileK{}, _1{}),
+            make_tma_copy(SM90_TMA_LOAD{}, mV, typename Traits::SmemLayoutV{}, TileV{}, _1{}),
             make_tma_copy(SM90_TMA_LOAD{}, mLse, Layout<TileRow>{}, TileRow{}, _1{}),
             make_tma_copy(SM90_TMA_LOAD{}, mDpsum, Layout<TileRow>{}, TileRow{}, _1{}),
             shape_q,
@@ -229,8 +244,8 @@ struct MainloopBwdLoadSm90 {
     auto rows_acc = [&](auto const& t) { return domain_offset(make_coord(seq.accum_offset), t); };
     Tensor gK = local_tile(rows_k(params.tma_k.get_tma_tensor(params.shape_k)(_, _, bidh_kv, si.batch)), TileK{},
                            make_coord(n_block, _0{}));
-    Tensor gV = local_tile(rows_k(params.tma_v.get_tma_tensor(params.shape_k)(_, _, bidh_kv, si.batch)), TileK{},
-                           make_coord(n_block, _0{}));
+    Tensor gV = local_tile(rows_k(params.tma_v.get_tma_tensor(v_shape(params.shape_k))(_, _, bidh_kv, si.batch)),
+                           TileV{}, make_coord(n_block, _0{}));
     auto tK = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
     auto tV = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
     before_kv([&] {
@@ -249,8 +264,8 @@ struct MainloopBwdLoadSm90 {
       const Walk w = walk(params.block_sparse, seq, bidh, n_block);
       Tensor gQ = local_tile(rows_q(params.tma_q.get_tma_tensor(params.shape_q)(_, _, bidh, si.batch)), TileQ{},
                              make_coord(_, _0{}));  // (M, D, m)
-      Tensor gdO = local_tile(rows_q(params.tma_do.get_tma_tensor(params.shape_q)(_, _, bidh, si.batch)), TileQ{},
-                              make_coord(_, _0{}));
+      Tensor gdO = local_tile(rows_q(params.tma_do.get_tma_tensor(v_shape(params.shape_q))(_, _, bidh, si.batch)),
+                              TileDO{}, make_coord(_, _0{}));
       Tensor gLse = local_tile(rows_acc(params.tma_lse.get_tma_tensor(params.shape_row)(_, bidh, si.batch)),
                                TileRow{}, make_coord(_));  // (M, m)
       Tensor gDpsum = local_tile(rows_acc(params.tma_dpsum.get_tma_tensor(params.shape_row)(_, bidh, si.batch)),

@@ -196,16 +196,18 @@ struct MainloopBwdSm90 : MainloopBwdLoadSm90<Traits_, kCausal, kLocal, Iter, Bia
   // Head dims 192 / 256 (BwdWideTraitsSm90): the warpgroups split queries for S^T and dP^T and head_dim
   // for dV, dK and dQ; P^T and dS^T meet in shared memory. dQ goes straight to dq_accum with 16-byte
   // reductions (EpilogueBwdSm90::add_dq).
-  template <class Epilogue, class FragKV>
+  template <class Epilogue, class FragK, class FragV>
   CUTE_DEVICE void mma_wide(Params const& params, typename Traits::PipelineQdO& pipeline, SharedStorage& smem,
                             Epilogue const& epilogue, typename Epilogue::Params const& epilogue_params,
-                            FragKV& tdKrdK, FragKV& tdVrdV, int thread_idx, int n_block, int bidh_kv,
+                            FragK& tdKrdK, FragV& tdVrdV, int thread_idx, int n_block, int bidh_kv,
                             Seq const& seq) const {
-    typename Traits::TiledMmaSdP mma_sdp;
-    typename Traits::TiledMmadKV mma_dkv;
+    typename Traits::TiledMmaSdP mma_sdp;  // S^T over head_dim, dP^T over v's
+    typename Traits::TiledMmadKV mma_dkv;  // dK
+    typename Traits::TiledMmadV mma_dv;    // dV: mma_dkv's type unless MLA
     typename Traits::TiledMmadQ mma_dq;
     auto thr_sdp = mma_sdp.get_thread_slice(thread_idx);
     auto thr_dkv = mma_dkv.get_thread_slice(thread_idx);
+    auto thr_dv = mma_dv.get_thread_slice(thread_idx);
     auto thr_dq = mma_dq.get_thread_slice(thread_idx);
     const int warp_group = thread_idx / 128, wg_thread = thread_idx % 128;
 
@@ -226,9 +228,9 @@ struct MainloopBwdSm90 : MainloopBwdLoadSm90<Traits_, kCausal, kLocal, Iter, Bia
     Tensor tSrV = thr_sdp.partition_fragment_A(sV);
     Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);    // (MMA, N, K, stage): this warpgroup's queries
     Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
-    Tensor tdVrPt = thr_dkv.partition_fragment_A(sPt);    // (MMA, M, K, buffer)
+    Tensor tdVrPt = thr_dv.partition_fragment_A(sPt);    // (MMA, M, K, buffer)
     Tensor tdKrdSt = thr_dkv.partition_fragment_A(sdSt);
-    Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);  // (MMA, N, K, stage): this warpgroup's head_dim half
+    Tensor tdVrdOt = thr_dv.partition_fragment_B(sdOt);  // (MMA, N, K, stage): this warpgroup's head_dim half
     Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt);
     Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
     Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
@@ -289,7 +291,7 @@ struct MainloopBwdSm90 : MainloopBwdLoadSm90<Traits_, kCausal, kLocal, Iter, Bia
         named_barrier_sync(Traits::kNumMmaThreads, int(BwdBarrier::kdS));
         // dQ first, so its reductions below run while the dV and dK GEMMs still occupy the tensor cores.
         warpgroup_gemm<true, -1>(mma_dq, tdQrdS(_, _, _, buf), tdQrKt, tdQrdQ);
-        warpgroup_gemm<false, -1>(mma_dkv, tdVrPt(_, _, _, buf), tdVrdOt(_, _, _, s), tdVrdV);
+        warpgroup_gemm<false, -1>(mma_dv, tdVrPt(_, _, _, buf), tdVrdOt(_, _, _, s), tdVrdV);
         warpgroup_gemm<false, -1>(mma_dkv, tdKrdSt(_, _, _, buf), tdKrQt(_, _, _, s), tdKrdK);
         warpgroup_wait<2>();
         warpgroup_fence_operand(tdQrdQ);
