@@ -67,3 +67,14 @@ def test_mla_head_dims_pick_the_kernel_that_pads_them(monkeypatch):
     assert _build_info.mla_hdims(192, 192) is None and _build_info.mla_hdims(192, 100) is None  # 100 % 8
     monkeypatch.setattr(_build_info, "MLA_HDIMS", ())
     assert _build_info.mla_hdims(192, 128) is None
+
+
+def test_mla_kernel_layouts(tmp_path):
+    """tests/cpp/test_mla_layouts.cpp walks the MLA traits' real CuTe layouts and partitions on the host:
+    the accumulators of O, dV and dK cover their tiles once, O written over Q's buffer stays on its own
+    warpgroup's rows, dO^T's view is dO's bytes, and the transaction byte counts match the tiles. Skipped
+    without nvcc / CUTLASS."""
+    from host_cpp import run_host_check
+
+    run = run_host_check("test_mla_layouts", tmp_path, sm90=True)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout + run.stderr
