@@ -196,9 +196,10 @@ bool set_dropout(P& p, double dropout_p, const OptTensor& rng, const Options& o,
               "(flash_attn4.dropout.draw_rng_state)");
   TORCH_CHECK(o.softcap == 0.f, "flash_attn4: the dropout kernels take no softcap (the PyTorch reference does)");
   p.dropout.rng = rng->data_ptr<int64_t>();
-  // flash_attn4.dropout.threshold: p rounded to a multiple of 2^-16.
-  p.dropout.threshold = uint32_t(std::min<int64_t>(int64_t(std::floor(dropout_p * 65536.0 + 0.5)), 65535));
-  p.dropout.inv_keep = float(1.0 / (1.0 - dropout_p));
+  // flash_attn4.dropout.threshold and keep_scale: p rounded to a multiple of 1 / 256, and 1 / (1 - that).
+  const int64_t t = std::min<int64_t>(int64_t(std::floor(dropout_p * 256.0 + 0.5)), 255);
+  p.dropout.threshold = uint32_t(t);
+  p.dropout.inv_keep = float(256.0 / double(256 - t));
   return true;
 }
 

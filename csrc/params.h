@@ -57,8 +57,8 @@ struct SeqMaskParams {
   int64_t alibi_batch_stride = 0;
 
   // Dropout, read by the Dropout instantiations only (common/dropout.hpp, flash_attn4/dropout.py): rng holds
-  // the call's (seed, offset) on the device; an element is kept iff its 16 random bits are >= threshold, and
-  // kept probabilities are scaled by inv_keep = 1 / (1 - p).
+  // the call's (seed, offset) on the device; an element is kept iff its random byte is >= threshold (p rounded
+  // to a multiple of 1 / 256, times 256), and kept probabilities are scaled by inv_keep = 256 / (256 - threshold).
   DropoutParams dropout;
 
   // How the kernels turn a raw score s = q.k into the softmax exponent, in one place for both directions:

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from flash_attn4.block_mask import BLOCK, BlockMask, _builtin
-from flash_attn4.dropout import keep_mask
+from flash_attn4.dropout import keep_mask, keep_scale
 
 
 def general_attention_ref(
@@ -24,7 +24,7 @@ def general_attention_ref(
     (ALiBi, slopes (hq,) or (b, hq)); element (i, j) takes part iff the causal / window mask lets it and,
     with a block mask, its block is full (no element mask) or partial (with it). A row with no key gets
     out = 0, lse = -inf. dropout_p > 0 drops probabilities by `keep_mask(*dropout_seed, ...)` (batch index
-    counted from dropout_batch, for a packed batch's sequences) and scales the kept ones by 1 / (1 - p);
+    counted from dropout_batch, for a packed batch's sequences) and scales the kept ones by keep_scale(p);
     lse is that of the probabilities before dropout."""
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -66,7 +66,7 @@ def general_attention_ref(
         if dropout_p > 0:
             keep = keep_mask(*dropout_seed, dropout_p, b, hq, rows, torch.arange(sk, device=q.device),
                              batch_start=dropout_batch)  # fmt: skip
-            p = p * keep / (1 - dropout_p)
+            p = p * keep * keep_scale(dropout_p)
         outs.append(torch.matmul(p, vt))
         lses.append(lse.masked_fill(empty, -math.inf))
     if not outs:  # no query rows
@@ -170,7 +170,7 @@ def general_bwd_ref(
         kept = 1.0
         if dropout_p > 0:
             kept = keep_mask(*dropout_seed, dropout_p, b, hq, rows, torch.arange(sk, device=q.device),
-                             batch_start=dropout_batch).to(cdt) / (1 - dropout_p)  # fmt: skip
+                             batch_start=dropout_batch).to(cdt) * keep_scale(dropout_p)  # fmt: skip
         pd = p * kept
         dv += torch.matmul(pd.transpose(-1, -2), do)
         delta = (do * torch.matmul(pd, vt)).sum(-1)

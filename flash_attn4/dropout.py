@@ -2,16 +2,21 @@
 call is a pure function of (seed, offset, batch, head, row, column) that a kernel recomputes wherever it needs
 it (forward and backward) and a test rebuilds exactly.
 
-    stream of (b, h):  (key, ci, cj, _) = philox4x32_10((b * nheads + h, offset, 0, 0), (seed lo, seed hi))
-    unit of (i, j):    u(x) = (x >> 4) << 3 | (x & 7)      (x and x + 8 share a unit when x % 16 < 8)
-    bits:              (w0, w1) = philox2x32_10((u(i) ^ ci, u(j) ^ cj), key)
-    keep(b, h, i, j) = 16-bit field (j >> 3) & 1 of w[(i >> 3) & 1]  >=  threshold(p) = round(p * 2^16)
+    stream of (b, h):  (k0, k1, ci, cj) = philox4x32_10((b * nheads + h, offset, 0, 0), (seed lo, seed hi))
+    unit of x:         u(x) = (x >> 4) << 2 | (x & 7) >> 1      (x, x + 1, x + 8, x + 9 share a unit)
+    bits:              (w0, w1, w2, w3) = philox4x32_7((u(i), ci, u(j), cj), (k0, k1))
+    keep(b, h, i, j) = byte 2 * ((i >> 3) & 1) + ((j >> 3) & 1) of w[2 * (i & 1) + (j & 1)]  >=  threshold(p)
 
-One Philox2x32 call serves the four elements {i, i + 8} x {j, j + 8} of a unit: in the tensor cores'
-accumulator layout (sm80 mma.sync and sm90 WGMMA alike) those four sit in one thread both for S (rows =
-queries, the forward) and for S^T (rows = keys, the sm90 backward), so neither direction computes bits another
-thread uses. The drop probability is p rounded to a multiple of 2^-16; kept probabilities are scaled by
-exactly 1 / (1 - p).
+One Philox4x32 call (seven rounds, as FlashAttention-2's) serves the sixteen elements {i, i + 1, i + 8, i + 9}
+x {j, j + 1, j + 8, j + 9} of a unit, one byte each. In the tensor cores' accumulator layout (sm90 WGMMA and
+sm80 mma.sync alike) a thread holds rows {r, r + 8} and the lane four up holds rows {r + 1, r + 9}, each with
+column pairs {c, c + 1} every 8 columns, whether rows are queries (S, the forward) or keys (S^T, the sm90
+backward): so the two lanes of a pair each compute one unit of two neighbouring 16-column blocks and trade
+the half the other holds (two shuffles), and no unit is computed twice in either direction.
+
+The drop probability is p rounded to a multiple of 1 / 256 (threshold(p) / 256, as FlashAttention-2 rounds
+it); kept probabilities are scaled by keep_scale(p) = 1 / (1 - threshold(p) / 256), so the expected output is
+exactly the attention's.
 
 Each call draws (seed, offset) from torch's default generator for the device (`draw_rng_state`), so a call is
 reproducible under torch.manual_seed and two calls differ; the draw stays on the device (no host read), so a
@@ -26,7 +31,6 @@ import torch
 from torch import Tensor
 
 _M0, _M1 = 0xD2511F53, 0xCD9E8D57  # Philox4x32 multipliers
-_M2 = 0xD256D193  # Philox2x32 multiplier
 _W0, _W1 = 0x9E3779B9, 0xBB67AE85  # Weyl key increments
 _MASK32 = 0xFFFFFFFF
 
@@ -63,25 +67,18 @@ def philox4x32(counter: tuple, key: tuple, rounds: int = 10) -> tuple[Tensor, Te
     return c0, c1, c2, c3
 
 
-def philox2x32(counter: tuple, key, rounds: int = 10) -> tuple[Tensor, Tensor]:
-    """Philox2x32 on broadcastable int64 tensors (or ints) holding 32-bit values: the two output words."""
-    c0, c1 = torch.broadcast_tensors(*_on_one_device(counter))
-    k = key
-    for r in range(rounds):
-        hi, lo = _mulhilo(c0, _M2)
-        c0, c1 = hi ^ k ^ c1, lo
-        if r + 1 < rounds:
-            k = (k + _W0) & _MASK32
-    return c0, c1
-
-
 def threshold(p: float) -> int:
-    """The 16-bit threshold the kernels compare with: p rounded to a multiple of 2^-16 (at most 65535)."""
-    return min(math.floor(p * 65536 + 0.5), 65535)
+    """The 8-bit threshold the kernels compare with: p rounded to a multiple of 1 / 256 (at most 255)."""
+    return min(math.floor(p * 256 + 0.5), 255)
+
+
+def keep_scale(p: float) -> float:
+    """What kept probabilities are multiplied by: 1 / (1 - the drop rate the kernels apply)."""
+    return 256.0 / (256 - threshold(p))
 
 
 def _unit(x: Tensor) -> Tensor:
-    return ((x >> 4) << 3) | (x & 7)
+    return ((x >> 4) << 2) | ((x & 7) >> 1)
 
 
 def keep_mask(seed: int | Tensor, offset: int | Tensor, p: float, batch: int, nheads: int, rows: Tensor,
@@ -92,13 +89,15 @@ def keep_mask(seed: int | Tensor, offset: int | Tensor, p: float, batch: int, nh
     dev = rows.device
     bh = torch.arange(batch_start * nheads, (batch_start + batch) * nheads, device=dev, dtype=torch.int64)
     seed, offset = (torch.as_tensor(x, dtype=torch.int64, device=dev) for x in (seed, offset))
-    key, ci, cj, _ = philox4x32((bh, offset & _MASK32, 0, 0), (seed & _MASK32, (seed >> 32) & _MASK32))
-    key, ci, cj = (t.view(batch, nheads, 1, 1) for t in (key, ci, cj))
+    k0, k1, ci, cj = philox4x32((bh, offset & _MASK32, 0, 0), (seed & _MASK32, (seed >> 32) & _MASK32))
+    k0, k1, ci, cj = (t.view(batch, nheads, 1, 1) for t in (k0, k1, ci, cj))
     i = rows.to(torch.int64).view(1, 1, -1, 1)
     j = cols.to(torch.int64).view(1, 1, 1, -1)
-    w0, w1 = philox2x32((_unit(i) ^ ci, _unit(j) ^ cj), key)
-    word = torch.where(((i >> 3) & 1).bool(), w1, w0)
-    return ((word >> (16 * ((j >> 3) & 1))) & 0xFFFF) >= threshold(p)
+    w = philox4x32((_unit(i), ci, _unit(j), cj), (k0, k1), rounds=7)
+    word = 2 * (i & 1) + (j & 1)
+    word = torch.where(word == 0, w[0], torch.where(word == 1, w[1], torch.where(word == 2, w[2], w[3])))
+    byte = 2 * ((i >> 3) & 1) + ((j >> 3) & 1)
+    return ((word >> (8 * byte)) & 0xFF) >= threshold(p)
 
 
 def draw_rng_state(device: torch.device) -> Tensor:

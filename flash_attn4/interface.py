@@ -217,9 +217,10 @@ def attn(
         alibi_slopes: optional (nheads_q,) or (batch, nheads_q) ALiBi slopes: the logit of query i and key j
             gets -slope * |i + seqlen_k - seqlen_q - j| (after softcap).
         dropout_p: attention dropout for training (pass 0.0 at inference): each probability is dropped
-            with probability dropout_p (flash_attn4.dropout: a Philox keep mask from (seed, offset) drawn
-            from torch's generator, so torch.manual_seed reproduces it) and the kept ones scaled by
-            1 / (1 - dropout_p); lse is that of the probabilities before dropout.
+            with probability dropout_p rounded to a multiple of 1 / 256, as FlashAttention-2 rounds it
+            (flash_attn4.dropout: a Philox keep mask from (seed, offset) drawn from torch's generator, so
+            torch.manual_seed reproduces it), and the kept ones scaled by 1 / (1 - that rounded rate); lse is
+            that of the probabilities before dropout.
         q_descale, k_descale, v_descale: with float8 (e4m3 / e5m2) q, k, v: fp32 (batch, nheads_kv) scales
             (the values are x * descale; flash_attn4.quantize_fp8 makes both); forward only, out bfloat16.
 

@@ -1,7 +1,7 @@
 """Attention dropout (`dropout_p`): the Philox4x32-10 generator against Random123's known answers; the keep
-mask's rate and independence from the tiling; a call reproduced by torch.manual_seed and equal, forward and
-gradients, to dense fp64 attention with the same keep mask applied; packed batches count sequence b as
-batch b."""
+mask's units, rate and independence from the tiling; a call reproduced by torch.manual_seed and equal,
+forward and gradients, to dense fp64 attention with the same keep mask applied; packed batches count
+sequence b as batch b."""
 
 from __future__ import annotations
 
@@ -28,35 +28,33 @@ def test_philox_known_answers(counter, key, want):
     assert tuple(int(w) for w in words) == want
 
 
-@pytest.mark.parametrize(
-    "counter,key,want",
-    [  # Random123 kat_vectors, philox2x32_10
-        ((0, 0), 0, (0xFF1DAE59, 0x6CD10DF2)),
-        ((0xFFFFFFFF, 0xFFFFFFFF), 0xFFFFFFFF, (0x2C3F628B, 0xAB4FD7AD)),
-        ((0x243F6A88, 0x85A308D3), 0x13198A2E, (0xDD7CE038, 0xF62A4C12)),
-    ],
-)  # fmt: skip
-def test_philox2x32_known_answers(counter, key, want):
-    words = dropout.philox2x32(tuple(torch.tensor(c) for c in counter), key)
-    assert tuple(int(w) for w in words) == want
-
-
 def test_keep_mask_units_and_neighbours():
-    """The four elements {i, i + 8} x {j, j + 8} of a unit are one Philox2x32 call's four 16-bit fields; and
-    neighbours are independent: adjacent pairs are both kept at (1 - p)^2."""
+    """The sixteen elements {i, i + 1, i + 8, i + 9} x {j, j + 1, j + 8, j + 9} of a unit are one seven-round
+    Philox4x32 call's sixteen bytes; and neighbours are independent: adjacent pairs are both kept at
+    (1 - p)^2, in rows, columns and across units."""
     p = 0.25
     keep = dropout.keep_mask(5, 9, p, 1, 1, torch.arange(512), torch.arange(512))[0, 0]
     seed, offset = torch.tensor(5), torch.tensor(9)
-    key, ci, cj, _ = dropout.philox4x32((torch.tensor(0), offset, 0, 0), (seed, torch.tensor(0)))
-    # Element (35, 67): units u(35) = 19 and u(67) = 35.
-    w0, w1 = dropout.philox2x32((torch.tensor(19 ^ int(ci)), torch.tensor(35 ^ int(cj))), int(key))
-    fields = [int(w0) & 0xFFFF, int(w0) >> 16, int(w1) & 0xFFFF, int(w1) >> 16]
+    k0, k1, ci, cj = dropout.philox4x32((torch.tensor(0), offset, 0, 0), (seed, torch.tensor(0)))
+    # Rows 34, 35, 42, 43 and columns 66, 67, 74, 75: units u(34) = 9 and u(66) = 17.
+    w = dropout.philox4x32((torch.tensor(9), ci, torch.tensor(17), cj), (k0, k1), rounds=7)
     t = dropout.threshold(p)
-    assert [bool(keep[35, 67]), bool(keep[35, 75]), bool(keep[43, 67]), bool(keep[43, 75])] == [
-        f >= t for f in fields
-    ]
-    for a, b in ((keep[:, :-1], keep[:, 1:]), (keep[:-1], keep[1:]), (keep[:, :-8], keep[:, 8:])):
+    for i in (34, 35, 42, 43):
+        for j in (66, 67, 74, 75):
+            word = int(w[2 * (i & 1) + (j & 1)])
+            byte = (word >> (8 * (2 * ((i >> 3) & 1) + ((j >> 3) & 1)))) & 0xFF
+            assert bool(keep[i, j]) == (byte >= t), (i, j)
+    for a, b in ((keep[:, :-1], keep[:, 1:]), (keep[:-1], keep[1:]), (keep[:, :-8], keep[:, 8:]),
+                 (keep[:-8], keep[8:]), (keep[:, :-16], keep[:, 16:])):  # fmt: skip
         assert abs((a & b).float().mean().item() - (1 - p) ** 2) < 0.01
+
+
+def test_drop_rate_is_p_in_256ths():
+    """p rounds to a multiple of 1 / 256 (at most 255 / 256) and the kept scale undoes exactly that rate."""
+    assert [dropout.threshold(p) for p in (0.0, 0.1, 0.25, 0.5, 0.999)] == [0, 26, 64, 128, 255]
+    assert dropout.keep_scale(0.25) == 256 / 192
+    keep = dropout.keep_mask(3, 4, 0.1, 2, 4, torch.arange(256), torch.arange(256))
+    assert abs(keep.float().mean().item() - (1 - 26 / 256)) < 0.004
 
 
 def test_keep_mask_rate_and_slices():
@@ -80,7 +78,7 @@ def dense_dropout(q, k, v, keep, p, causal):
         i = torch.arange(sq)[:, None] + (sk - sq)
         s = s.masked_fill(torch.arange(sk)[None, :] > i, -math.inf)
     lse = torch.logsumexp(s, -1)
-    probs = torch.softmax(s, -1) * keep / (1 - p)
+    probs = torch.softmax(s, -1) * keep * dropout.keep_scale(p)
     return torch.einsum("bhqk,bkhd->bqhd", probs, vv), lse
 
 
@@ -204,8 +202,9 @@ def test_dropout_op_opcheck(packed):
 
 def test_kernel_bits_match_the_spec(tmp_path):
     """tests/cpp/test_dropout_bits.cpp runs the kernels' dropout code (csrc/common/dropout.hpp) on the host
-    through the real sm90 accumulator partitions, every thread of the forward's S and the backward's S^T tile
-    at head dim 128; the masks it prints must be keep_mask's bit for bit. Skipped without nvcc / CUTLASS."""
+    through the real sm90 accumulator partitions, every thread of the forward's S (128- and 176-key tiles) and
+    the backward's S^T tile at head dim 128, lane pairs trading words as the shuffles do; the masks it prints
+    must be keep_mask's bit for bit. Skipped without nvcc / CUTLASS."""
     from host_cpp import run_host_check
 
     p, (seed, offset), (b, h, heads), (q0, k0) = 0.17, (2**61 + 12345, 77), (1, 2, 3), (256, 384)
@@ -213,8 +212,11 @@ def test_kernel_bits_match_the_spec(tmp_path):
     run = run_host_check("test_dropout_bits", tmp_path, args, sm90=True)
     assert run.returncode == 0, run.stderr
     lines = run.stdout.split()
-    for name, rows, bits in (("fwd", 128, lines[3]), ("bwd", 64, lines[7])):
-        rows_q, cols_k = torch.arange(q0, q0 + rows), torch.arange(k0, k0 + 128)
+    masks = dict(zip(lines[0::2], lines[1::2]))
+    assert sorted(masks) == ["bwd", "fwd", "fwd176"], run.stdout[:200]
+    for name, rows, cols in (("fwd", 128, 128), ("fwd176", 128, 176), ("bwd", 64, 128)):
+        bits = masks[name]
+        rows_q, cols_k = torch.arange(q0, q0 + rows), torch.arange(k0, k0 + cols)
         keep = dropout.keep_mask(seed, offset, p, 1, heads, rows_q, cols_k, batch_start=b)[0, h]
         want = "".join("1" if x else "0" for x in keep.flatten().tolist())
         assert bits == want, f"{name}: {sum(a != c for a, c in zip(bits, want))} of {len(want)} bits differ"

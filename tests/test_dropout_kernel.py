@@ -41,8 +41,8 @@ def _seeded(seed: int):
 
 
 def dense_dropout(q, k, v, keep, p, causal=False, window=(-1, -1)):
-    """softmax(q k^T / sqrt(d), masked) o keep / (1 - p) times v, and the lse before dropout. The products run
-    in q's dtype, the softmax in fp32 (fp64 for fp64 inputs): the kernels' precisions."""
+    """softmax(q k^T / sqrt(d), masked) o keep * keep_scale(p) times v, and the lse before dropout. The
+    products run in q's dtype, the softmax in fp32 (fp64 for fp64 inputs): the kernels' precisions."""
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     kk, vv = (t.repeat_interleave(hq // hk, dim=2) for t in (k, v))
@@ -58,16 +58,16 @@ def dense_dropout(q, k, v, keep, p, causal=False, window=(-1, -1)):
     if left >= 0:
         seen &= j >= i - left
     s = s.masked_fill(~seen, -math.inf)
-    probs = (torch.softmax(s, -1) * keep / (1 - p)).to(q.dtype)
+    probs = (torch.softmax(s, -1) * keep * dropout.keep_scale(p)).to(q.dtype)
     return torch.einsum("bhqk,bkhd->bqhd", probs, vv), torch.logsumexp(s, -1)
 
 
 @pytest.mark.parametrize("dtype", DTYPES or [torch.bfloat16])
 def test_kernel_keep_mask_is_the_spec(dtype):
     """q = k = 0 makes every probability 1 / sk; value row j is e_(j mod d) * 4^(j div d), so
-    out * sk * (1 - p) decodes, per output column c, the keep bits of keys c, c + d and c + 2d: the kernel's
-    mask, element by element, across three key blocks, against keep_mask (forward only: the gradients' use
-    of the same mask is what the reference test below checks)."""
+    out * sk / keep_scale(p) decodes, per output column c, the keep bits of keys c, c + d and c + 2d: the
+    kernel's mask, element by element, across three key blocks, against keep_mask (forward only: the
+    gradients' use of the same mask is what the reference test below checks)."""
     d = 128 if 128 in _build_info.DROPOUT_HDIMS else _build_info.DROPOUT_HDIMS[-1]
     b, sq, sk, h = 2, 300, 3 * d, 3
     q = torch.zeros(b, sq, h, d, device="cuda", dtype=dtype)
@@ -77,7 +77,7 @@ def test_kernel_keep_mask_is_the_spec(dtype):
     seed, offset = _seeded(11)
     torch.manual_seed(11)
     out = flash_attn4.attn(q, q[:, :1].expand(b, sk, h, d).contiguous(), v, dropout_p=P)
-    code = torch.round(out.float() * sk * (1 - P)).to(torch.int64)  # (b, sq, h, d)
+    code = torch.round(out.float() * sk / dropout.keep_scale(P)).to(torch.int64)  # (b, sq, h, d)
     keep = dropout.keep_mask(seed, offset, P, b, h, torch.arange(sq, device="cuda"), j).to(torch.int64)
     want = keep[..., :d] + 4 * keep[..., d : 2 * d] + 16 * keep[..., 2 * d :]  # (b, h, sq, d)
     assert torch.equal(code, want.transpose(1, 2)), f"{(code != want.transpose(1, 2)).sum()} elements differ"

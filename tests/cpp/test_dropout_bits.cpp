@@ -5,6 +5,7 @@
 // nheads bidh row0 col0.
 #include <cstdio>
 #include <cstdlib>
+#include <utility>
 #include <vector>
 
 #include <cutlass/numeric_types.h>
@@ -16,6 +17,9 @@
 
 using namespace cute;
 
+// The kernels' lanes trade words with lane ^ 4 (ShflXor4). What a lane sends depends only on its own Philox
+// calls, so two passes emulate the shuffle exactly: the first records every thread's sends, the second hands
+// each thread its partner's, in order.
 template <bool kRowsAreQueries, class TiledMma, class TileShape>
 std::vector<int> mask_of(flash4::Dropout const& d, uint32_t threshold, int threads, int q0, int k0) {
   constexpr int kRows = decltype(size<0>(TileShape{}))::value, kCols = decltype(size<1>(TileShape{}))::value;
@@ -24,13 +28,29 @@ std::vector<int> mask_of(flash4::Dropout const& d, uint32_t threshold, int threa
   auto rowcol = [](auto t) { return make_tensor(t.data(), flash4::acc_rowcol_layout(t.layout())); };
   Tensor tC0 = rowcol(mma.get_thread_slice(0).partition_C(make_identity_tensor(TileShape{})));
   const int row0 = kRowsAreQueries ? q0 : k0, col0 = kRowsAreQueries ? k0 : q0;
-  for (int t = 0; t < threads; ++t) {
-    Tensor tC = rowcol(mma.get_thread_slice(t).partition_C(make_identity_tensor(TileShape{})));
-    d.for_each_keep<kRowsAreQueries>(tC, tC0, row0, col0, threshold, [&](int r, int c, bool kept) {
-      const int row = get<0>(tC(r, c)), col = get<1>(tC(r, c));
-      const int q = kRowsAreQueries ? row : col, k = kRowsAreQueries ? col : row;
-      mask[q * (kRowsAreQueries ? kCols : kRows) + k] = kept;
-    });
+  std::vector<std::vector<uint32_t>> sent(threads);
+  for (int pass = 0; pass < 2; ++pass) {
+    for (int t = 0; t < threads; ++t) {
+      Tensor tC = rowcol(mma.get_thread_slice(t).partition_C(make_identity_tensor(TileShape{})));
+      size_t n = 0;
+      auto swap = [&](uint32_t v) -> uint32_t {
+        if (pass == 0) {
+          sent[t].push_back(v);
+          return 0u;
+        }
+        return sent[t ^ 4].at(n++);
+      };
+      d.for_each_keep<kRowsAreQueries>(
+          tC, tC0, row0, col0, threshold,
+          [&](int r, int c, bool kept) {
+            if (pass == 0) return;
+            const int row = get<0>(tC(r, c)), col = get<1>(tC(r, c));
+            const int q = kRowsAreQueries ? row : col, k = kRowsAreQueries ? col : row;
+            mask[q * (kRowsAreQueries ? kCols : kRows) + k] = kept;
+          },
+          swap);
+      if (pass == 1 && n != sent[t ^ 4].size()) std::abort();  // the pair's lanes swap in step
+    }
   }
   return mask;
 }
@@ -45,17 +65,22 @@ int main(int argc, char** argv) {
   params.rng = rng;
   const flash4::Dropout d = flash4::Dropout::make(params, bidb, nheads, bidh).with_stream(params);
 
+  // The causal forward's 128-key tile (eight 16-column blocks: all paired), the non-causal one's 176 keys
+  // (eleven: the last one unpaired) and the backward's S^T.
   using Fwd = flash4::FwdTraitsSm90<cutlass::bfloat16_t, 128, 128, 128, 2>;
+  using Fwd176 = flash4::FwdTraitsSm90<cutlass::bfloat16_t, 128, 128, 176, 2>;
   using Bwd = flash4::BwdTraitsSm90<cutlass::bfloat16_t, 128, 64, 128, 2>;
   using TileS = Shape<Int<Bwd::kBlockN>, Int<Bwd::kBlockM>>;  // (keys, queries)
   const auto fwd = mask_of<true, Fwd::TiledMmaQK, decltype(select<0, 1>(Fwd::TileShapeQK{}))>(
       d, threshold, 2 * 128, q0, k0);
+  const auto fwd176 = mask_of<true, Fwd176::TiledMmaQK, decltype(select<0, 1>(Fwd176::TileShapeQK{}))>(
+      d, threshold, 2 * 128, q0, k0);
   const auto bwd = mask_of<false, Bwd::TiledMmaSdP, TileS>(d, threshold, 2 * 128, q0, k0);
-  // forward: 128 queries x 128 keys; backward: 64 queries x 128 keys (row-major, query-major).
-  std::printf("fwd 128 128\n");
-  for (int x : fwd) std::printf("%d", x);
-  std::printf("\nbwd 64 128\n");
-  for (int x : bwd) std::printf("%d", x);
-  std::printf("\n");
+  // Query-major masks: forward 128 queries x 128 and x 176 keys; backward 64 queries x 128 keys.
+  for (auto const& [name, mask] : {std::pair{"fwd", fwd}, std::pair{"fwd176", fwd176}, std::pair{"bwd", bwd}}) {
+    std::printf("%s\n", name);
+    for (int x : mask) std::printf("%d", x);
+    std::printf("\n");
+  }
   return 0;
 }
