@@ -9,8 +9,7 @@ fails. CPU: the ops themselves (their reference path) against autograd of the de
 
 from __future__ import annotations
 
-import math
-
+import option_kernels
 import pytest
 import torch
 from test_block_sparse_kernel import _check  # the GPU tests' rule: error <= 2 x low precision's + floor
@@ -20,35 +19,7 @@ from flash_attn4 import _build_info
 
 
 def _gpu_skip() -> str | None:
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    if not _build_info.ALIBI_HDIMS:
-        return "no ALiBi kernels in this build"
-    arch, why = _build_info.kernel_arch(torch.device("cuda"))
-    return None if arch == 90 else f"the ALiBi kernels are sm90 ones ({why or f'this GPU takes sm{arch}'})"
-
-
-def dense_alibi(q, k, v, slopes, causal=False, window=(-1, -1)):
-    """softmax(q k^T / sqrt(d) - slope |i + sk - sq - j|, masked) v and lse. The two products run in q's
-    dtype, the bias and the softmax in fp32 (fp64 for fp64 inputs): the kernels' precisions."""
-    b, sq, hq, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    kk, vv = (t.repeat_interleave(hq // hk, dim=2) for t in (k, v))
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    s = torch.einsum("bqhd,bkhd->bhqk", q, kk).to(acc) / math.sqrt(d)
-    i = torch.arange(sq, device=q.device)[:, None] + (sk - sq)
-    j = torch.arange(sk, device=q.device)[None, :]
-    s = s - slopes.to(s.dtype).reshape(-1, hq, 1, 1) * (i - j).abs().to(s.dtype)
-    left, right = window
-    right = 0 if causal else right
-    seen = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
-    if right >= 0:
-        seen &= j <= i + right
-    if left >= 0:
-        seen &= j >= i - left
-    s = s.masked_fill(~seen, -math.inf)
-    p = torch.softmax(s, -1).to(q.dtype)
-    return torch.einsum("bhqk,bkhd->bqhd", p, vv), torch.logsumexp(s, -1)
+    return option_kernels.gpu_skip(_build_info.ALIBI_HDIMS, "ALiBi")
 
 
 def alibi_slopes(heads: int) -> torch.Tensor:
@@ -61,7 +32,7 @@ def _poison(numel: int) -> None:
     torch.full((numel,), float("nan"), device="cuda")
 
 
-DTYPES = [dt for dt, n in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")) if n in _build_info.DTYPES]
+DTYPES = option_kernels.DTYPES
 CASES = [  # sq, sk, causal, window, per_batch, hq, hk
     (1023, 1023, False, (-1, -1), False, 4, 2),
     (1023, 1023, True, (-1, -1), True, 4, 4),
@@ -109,8 +80,9 @@ def test_alibi_kernel_matches_reference(dtype, hdim, sq, sk, causal, window, per
         )
 
     out, lse, grads = run(ours, dtype)
-    t_out, t_lse, t_grads = run(lambda *t: dense_alibi(*t, slopes, causal, window), torch.float64)
-    l_out, l_lse, l_grads = run(lambda *t: dense_alibi(*t, slopes, causal, window), dtype)
+    ref = lambda *t: option_kernels.dense(*t, causal, window, slopes=slopes)  # noqa: E731
+    t_out, t_lse, t_grads = run(ref, torch.float64)
+    l_out, l_lse, l_grads = run(ref, dtype)
     assert torch.isfinite(out).all() and all(torch.isfinite(x).all() for x in grads)
     _check("out", out, t_out, l_out, dtype)
     _check("lse", lse, t_lse, l_lse, dtype)
@@ -148,7 +120,7 @@ def test_alibi_kernel_packed_batches(causal, window):
         for b, (nq, nk) in enumerate(zip(lens_q, lens_k)):
             leaves = [t[None, r0:r0 + n].to(dt).requires_grad_()
                       for t, r0, n in ((q, q0, nq), (k, k0, nk), (v, k0, nk))]  # fmt: skip
-            out, _ = dense_alibi(*leaves, slopes[b], causal, window)
+            out, _ = option_kernels.dense(*leaves, causal, window, slopes=slopes[b])
             gb = torch.autograd.grad((out.double() * go[None, q0 : q0 + nq]).sum(), leaves)
             grads[0][q0 : q0 + nq] += gb[0][0].double()
             grads[1][k0 : k0 + nk] += gb[1][0].double()
@@ -214,12 +186,12 @@ def test_alibi_op_reference_path_gradients(packed):
         for b in range(2):
             qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
             sub = [t[None, s] for t, s in zip(ref_leaves, (qs, ks, ks))]
-            o, l_ = dense_alibi(*sub, slopes[b], causal=True)
+            o, l_ = option_kernels.dense(*sub, causal=True, slopes=slopes[b])
             outs.append(o[0])
             lses.append(l_[0])
         ref_out, ref_lse = torch.cat(outs), torch.cat(lses, dim=-1)
     else:
-        ref_out, ref_lse = dense_alibi(*ref_leaves, slopes, causal=True)
+        ref_out, ref_lse = option_kernels.dense(*ref_leaves, causal=True, slopes=slopes)
     torch.testing.assert_close((out, lse), (ref_out, ref_lse), atol=1e-10, rtol=1e-10)
     ref_loss = (ref_out * go).sum() + (ref_lse.masked_fill(torch.isinf(ref_lse), 0) * gl).sum()
     ref = torch.autograd.grad(ref_loss, ref_leaves)

@@ -9,8 +9,7 @@ CPU side of the ops is in tests/test_dropout.py."""
 
 from __future__ import annotations
 
-import math
-
+import option_kernels
 import pytest
 import torch
 from test_alibi_kernel import _poison
@@ -21,16 +20,11 @@ from flash_attn4 import _build_info, dropout
 
 
 def _gpu_skip() -> str | None:
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    if not _build_info.DROPOUT_HDIMS:
-        return "no dropout kernels in this build"
-    arch, why = _build_info.kernel_arch(torch.device("cuda"))
-    return None if arch == 90 else f"the dropout kernels are sm90 ones ({why or f'this GPU takes sm{arch}'})"
+    return option_kernels.gpu_skip(_build_info.DROPOUT_HDIMS, "dropout")
 
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_gpu_skip() is not None, reason=f"{_gpu_skip()}")]
-DTYPES = [dt for dt, n in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")) if n in _build_info.DTYPES]
+DTYPES = option_kernels.DTYPES
 P = 0.17
 
 
@@ -38,28 +32,6 @@ def _seeded(seed: int):
     """The (seed, offset) the next dropout call on cuda draws after torch.manual_seed(seed)."""
     torch.manual_seed(seed)
     return dropout.draw_seed(torch.device("cuda"))
-
-
-def dense_dropout(q, k, v, keep, p, causal=False, window=(-1, -1)):
-    """softmax(q k^T / sqrt(d), masked) o keep * keep_scale(p) times v, and the lse before dropout. The
-    products run in q's dtype, the softmax in fp32 (fp64 for fp64 inputs): the kernels' precisions."""
-    b, sq, hq, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    kk, vv = (t.repeat_interleave(hq // hk, dim=2) for t in (k, v))
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    s = torch.einsum("bqhd,bkhd->bhqk", q, kk).to(acc) / math.sqrt(d)
-    i = torch.arange(sq, device=q.device)[:, None] + (sk - sq)
-    j = torch.arange(sk, device=q.device)[None, :]
-    left, right = window
-    right = 0 if causal else right
-    seen = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
-    if right >= 0:
-        seen &= j <= i + right
-    if left >= 0:
-        seen &= j >= i - left
-    s = s.masked_fill(~seen, -math.inf)
-    probs = (torch.softmax(s, -1) * keep * dropout.keep_scale(p)).to(q.dtype)
-    return torch.einsum("bhqk,bkhd->bqhd", probs, vv), torch.logsumexp(s, -1)
 
 
 @pytest.mark.parametrize("dtype", DTYPES or [torch.bfloat16])
@@ -84,12 +56,7 @@ def test_kernel_keep_mask_is_the_spec(dtype):
 
 
 CASES = [  # sq, sk, causal, window, hq, hk
-    (1023, 1023, False, (-1, -1), 4, 2),
-    (1023, 1023, True, (-1, -1), 4, 4),
-    (517, 2048, True, (-1, -1), 8, 2),
-    (2048, 517, False, (-1, -1), 4, 1),
-    (1024, 1024, False, (300, 100), 4, 2),
-    (113, 239, False, (-1, -1), 4, 2),
+    *option_kernels.CASES,
     # One key: dq is then all rounding. The backward's D = rowsum(dO o out) reads the bf16 out, which with
     # dropout is 1 / (1 - p) v rounded (without dropout, v exactly), so dq's error exceeds twice that of
     # autograd in bf16 (out and lse pass). FlashAttention's backward has the same D.
@@ -122,8 +89,9 @@ def test_dropout_kernel_matches_reference(dtype, hdim, sq, sk, causal, window, h
 
     _poison(8 * q.numel())
     out, lse, grads = run(ours, dtype)
-    t_out, t_lse, t_grads = run(lambda *t: dense_dropout(*t, keep, P, causal, window), torch.float64)
-    l_out, l_lse, l_grads = run(lambda *t: dense_dropout(*t, keep, P, causal, window), dtype)
+    ref = lambda *t: option_kernels.dense(*t, causal, window, keep=keep, keep_scale=dropout.keep_scale(P))  # noqa: E731
+    t_out, t_lse, t_grads = run(ref, torch.float64)
+    l_out, l_lse, l_grads = run(ref, dtype)
     assert torch.isfinite(out).all() and all(torch.isfinite(x).all() for x in grads)
     _check("out", out, t_out, l_out, dtype)
     _check("lse", lse, t_lse, l_lse, dtype)
@@ -155,8 +123,8 @@ def test_dropout_kernel_packed_batches(causal, window):
             if lq:
                 keep = dropout.keep_mask(seed, offset, P, 1, hq, torch.arange(lq, device="cuda"),
                                          torch.arange(lk, device="cuda"), batch_start=b)  # fmt: skip
-                o, _ = dense_dropout(qq[None, oq:oq + lq], kk[None, ok:ok + lk], vv[None, ok:ok + lk],
-                                     keep, P, causal, window)  # fmt: skip
+                seq = (qq[None, oq : oq + lq], kk[None, ok : ok + lk], vv[None, ok : ok + lk])
+                o, _ = option_kernels.dense(*seq, causal, window, keep=keep, keep_scale=dropout.keep_scale(P))
                 outs.append(o[0] if lk else torch.zeros_like(qq[oq : oq + lq]))
             oq, ok = oq + lq, ok + lk
         return torch.cat(outs)

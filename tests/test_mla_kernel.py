@@ -6,11 +6,12 @@ packed batches, head dims padded up to the kernel's (184 / 120), deterministic d
 
 from __future__ import annotations
 
-import math
 import warnings
 
+import option_kernels
 import pytest
 import torch
+from option_kernels import DTYPES, dense, gpu_skip
 from test_alibi_kernel import _poison
 from test_block_sparse_kernel import _check  # the GPU tests' rule
 
@@ -19,45 +20,10 @@ from flash_attn4 import _build_info
 
 
 def _gpu_skip() -> str | None:
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    if not _build_info.MLA_HDIMS:
-        return "no MLA kernels in this build (FLASH_ATTN4_HDIMS without 192)"
-    arch, why = _build_info.kernel_arch(torch.device("cuda"))
-    return None if arch == 90 else f"the MLA kernels are sm90 ones ({why or f'this GPU takes sm{arch}'})"
+    return gpu_skip(_build_info.MLA_HDIMS, "MLA", "FLASH_ATTN4_HDIMS without 192")
 
 
-def dense(q, k, v, causal=False, window=(-1, -1)):
-    """Masked softmax(q k^T / sqrt(d)) v and lse (bottom-right aligned masks); products in q's dtype, the
-    softmax in fp32 (fp64 for fp64 inputs)."""
-    sq, sk, hq, hk, d = q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3]
-    kk, vv = (t.repeat_interleave(hq // hk, dim=2) for t in (k, v))
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    s = torch.einsum("bqhd,bkhd->bhqk", q, kk).to(acc) / math.sqrt(d)
-    i = torch.arange(sq, device=q.device)[:, None] + (sk - sq)
-    j = torch.arange(sk, device=q.device)[None, :]
-    left, right = window
-    right = 0 if causal else right
-    seen = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
-    if right >= 0:
-        seen &= j <= i + right
-    if left >= 0:
-        seen &= j >= i - left
-    s = s.masked_fill(~seen, -math.inf)
-    p = torch.softmax(s, -1).nan_to_num(0.0).to(q.dtype)
-    return torch.einsum("bhqk,bkhd->bqhd", p, vv), torch.logsumexp(s, -1)
-
-
-DTYPES = [dt for dt, n in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")) if n in _build_info.DTYPES]
-CASES = [  # sq, sk, causal, window, hq, hk
-    (1023, 1023, False, (-1, -1), 4, 2),
-    (1023, 1023, True, (-1, -1), 4, 4),
-    (517, 2048, True, (-1, -1), 8, 2),
-    (2048, 517, False, (-1, -1), 4, 1),
-    (1024, 1024, False, (300, 100), 4, 2),
-    (113, 239, False, (-1, -1), 4, 2),
-    (1, 1, False, (-1, -1), 2, 1),
-]
+CASES = [*option_kernels.CASES, (1, 1, False, (-1, -1), 2, 1)]  # sq, sk, causal, window, hq, hk
 
 
 def _inputs(d, dv, sq, sk, hq, hk, b=2):
@@ -158,6 +124,9 @@ def test_mla_kernel_packed_batch(causal):
     for b in range(len(lens_q)):
         (q0, q1), (k0, k1) = (c[b : b + 2].tolist() for c in cu)
         seg = [t[None, a:e] for t, (a, e) in zip((q, k, v), ((q0, q1), (k0, k1), (k0, k1)))]
-        truth, low = dense(*seg, causal), dense(*(t.bfloat16() for t in seg), causal)
+        truth, low = (
+            dense(*seg, causal),
+            dense(*(t.bfloat16() for t in seg), causal),
+        )
         _check(f"out[{b}]", out[None, q0:q1], truth[0], low[0], torch.bfloat16)
         _check(f"lse[{b}]", lse[:, q0:q1][None], truth[1], low[1], torch.bfloat16)

@@ -126,11 +126,12 @@ def main() -> int:
             ]
         ]
         + [
-            (generate_kernels.Kernel(name[:3], 90, args.dtype, h, causal, local, hdim_v=hv), 90, (name[:3], 90))
+            (kernel, 90, (name[:3], 90))
             for name in ("fwd90mla", "bwd90mla")
             if name in wanted
             for h, hv in generate_kernels.MLA_HDIMS
             if h == args.hdim
+            for kernel in [generate_kernels.Kernel(name[:3], 90, args.dtype, h, causal, local, hdim_v=hv)]
         ]
         + [
             (
