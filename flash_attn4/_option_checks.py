@@ -3,6 +3,7 @@ clear error before any kernel runs."""
 
 from __future__ import annotations
 
+import warnings
 from numbers import Real
 from typing import Any
 
@@ -46,4 +47,8 @@ def _validate_alibi(slopes: Any, batch: int, heads: int, device) -> None:
 def _validate_dropout(p: Any) -> float:
     if isinstance(p, bool) or not isinstance(p, Real) or not 0 <= float(p) < 1:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {p!r}; pass 0.0 at inference")
+    if 0 < float(p) < 1 / 512:
+        # The drop rate is p rounded to a multiple of 1 / 256 (flash_attn4.dropout.threshold).
+        warnings.warn(f"dropout_p={float(p)!r} rounds to a drop rate of 0 (rates are multiples of 1/256): "
+                      "no probability is dropped", stacklevel=3)  # fmt: skip
     return float(p)

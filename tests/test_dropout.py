@@ -129,6 +129,13 @@ def test_varlen_dropout_counts_sequences_as_batches():
         oq, ok = oq + lq, ok + lk
 
 
+def test_a_rate_that_rounds_to_zero_warns():
+    q = torch.randn(1, 4, 2, 8)
+    with pytest.warns(UserWarning, match="rounds to a drop rate of 0"):
+        out = flash_attn4.attn(q, q, q, dropout_p=0.001)
+    torch.testing.assert_close(out, flash_attn4.attn(q, q, q))
+
+
 def test_bad_dropout_is_a_clear_error():
     q = torch.randn(1, 4, 2, 8)
     for p in (1.0, -0.1, True, "0.1"):
