@@ -143,12 +143,11 @@ struct Dropout {
     }
   }
 
-  // The forward: x = kept ? x * scale : 0.
+  // The forward: x = kept ? x : 0 (the 1 / (1 - p) rides in the final normalization).
   template <bool kRowsAreQueries, class TS, class TC, class TC0>
-  CUTE_DEVICE void drop(TS& x, TC const& tC, TC0 const& tC0, int row0, int col0, uint32_t threshold,
-                        float scale) const {
+  CUTE_DEVICE void drop(TS& x, TC const& tC, TC0 const& tC0, int row0, int col0, uint32_t threshold) const {
     for_each_keep<kRowsAreQueries>(tC, tC0, row0, col0, threshold,
-                                   [&](int r, int c, bool kept) { x(r, c) = kept ? x(r, c) * scale : 0.f; });
+                                   [&](int r, int c, bool kept) { x(r, c) = kept ? x(r, c) : 0.f; });
   }
 };
 

@@ -175,7 +175,7 @@ struct MainloopFwdSm90 : MainloopFwdLoadSm90<Traits, Iter, Bias> {
         const int col0 = (kSparse ? walk.block(params.block_sparse, v) : v) * kBlockN;
         bias.with_stream(params.dropout)
             .template drop</*kRowsAreQueries=*/true>(tSrS_rc, tScS_rc, tScS0_rc, row0, col0,
-                                                     params.dropout.threshold, 1.f);
+                                                     params.dropout.threshold);
       }
     };
 
