@@ -64,10 +64,11 @@ def block_visibility(sq: int, sk: int, block: int, causal: bool, window_size, de
 @functools.lru_cache(maxsize=32)
 def _geometry(sq: int, sk: int, block: int, causal: bool, window_size, keep_first: int, keep_local: int,
               density: float | None, device) -> tuple:  # fmt: skip
-    """What depends on the shapes and options alone, made once: (masked, hidden, every, forced, n_keep), all
-    (nq, nk) bool but n_keep ((nq, 1) float, density only): whether the mask touches any block, the blocks
-    it hides entirely / covers entirely, the blocks always kept (the first keep_first, keep_local at the
-    diagonal), and how many blocks each query block keeps under `density`."""
+    """What depends on the shapes and options alone, made once: (masked, some, hidden, every, edge, forced,
+    n_keep), all (nq, nk) bool but n_keep ((nq, 1) float, density only): whether the mask touches any block,
+    the blocks it lets through somewhere / hides entirely / covers entirely / cuts (some but not every), the
+    blocks always kept (the first keep_first, keep_local at the diagonal), and how many blocks each query
+    block keeps under `density`."""
     some, every = block_visibility(sq, sk, block, causal, window_size, device)
     nq, nk = some.shape
     cols = torch.arange(nk, device=device)
@@ -77,7 +78,8 @@ def _geometry(sq: int, sk: int, block: int, causal: bool, window_size, keep_firs
     )
     forced &= some
     n_keep = None if density is None else (some.sum(-1, keepdim=True) * density).ceil().clamp(min=1)
-    return not bool(every.all()), ~some, every, forced, n_keep  # every <= some: all of every, nothing hidden
+    # every <= some: where every block is covered, none is hidden.
+    return not bool(every.all()), some, ~some, every, some & ~every, forced, n_keep
 
 
 def estimate_block_mask(
@@ -103,7 +105,7 @@ def estimate_block_mask(
     if hk < 1 or hq % hk:
         raise ValueError(f"nheads of q ({hq}) must be a multiple of nheads of k ({hk})")
     scale = 1 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    masked, hidden, every, forced, n_keep = _geometry(
+    masked, some, hidden, every, edge, forced, n_keep = _geometry(
         sq, sk, block, causal, tuple(window_size), keep_first, keep_local, density, q.device
     )
     nq, nk = hidden.shape
@@ -140,8 +142,8 @@ def estimate_block_mask(
             -1, order, keep_sorted.expand(mass.shape)
         )
     keep |= forced
-    if masked:
-        keep &= ~hidden
-    # Kept blocks the mask covers entirely need no element mask (without a mask: every block).
-    full = keep & every if masked else keep
-    return BlockMask._build(keep & ~full if masked else torch.zeros_like(keep), full, sq, sk, block)
+    if not masked:  # every block full: no element mask anywhere
+        return BlockMask._build(torch.zeros_like(keep), keep, sq, sk, block)
+    keep &= some
+    # Kept blocks the mask covers entirely need no element mask; those it cuts take it.
+    return BlockMask._build(keep & edge, keep & every, sq, sk, block)
