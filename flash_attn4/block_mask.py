@@ -34,9 +34,7 @@ def _lists(blocks: Tensor) -> tuple[Tensor, Tensor]:
     slot = torch.where(blocks, blocks.cumsum(-1) - 1, m - 1)
     cols = torch.arange(m, device=blocks.device, dtype=torch.int32).expand(blocks.shape)
     index = torch.zeros(blocks.shape, dtype=torch.int32, device=blocks.device).scatter_(-1, slot, cols)
-    if count.is_contiguous():  # a reduction keeps a permuted input's order; the kernels want row-major
-        return count, index
-    return torch.empty(count.shape, dtype=torch.int32, device=count.device).copy_(count), index
+    return count.contiguous(), index  # a reduction keeps a permuted input's order; the kernels want row-major
 
 
 def _dense(count: Tensor, index: Tensor, m: int) -> Tensor:
@@ -129,15 +127,14 @@ class BlockMask:
         # One set of launches for both kinds and, on a square grid, for both orientations: the estimator
         # builds a mask every call, and each launch costs about as much host time as its GPU work.
         partial, full = torch.broadcast_tensors(partial, full)
-        if partial.shape[-1] == partial.shape[-2]:
-            count, index = _lists(torch.stack((partial, full, partial.mT, full.mT)))
-            kv_count, full_count, q_count, full_q_count = count.unbind(0)
-            kv_index, full_index, q_index, full_q_index = index.unbind(0)
-        else:
-            both = torch.stack((partial, full))
-            (kv_count, full_count), (kv_index, full_index) = (t.unbind(0) for t in _lists(both))
-            transposed = _lists(both.mT)
-            (q_count, full_q_count), (q_index, full_q_index) = (t.unbind(0) for t in transposed)
+        kinds = (partial, full, partial.mT, full.mT)
+        counts, indexes = [], []
+        for group in [kinds] if partial.shape[-1] == partial.shape[-2] else [kinds[:2], kinds[2:]]:
+            count, index = _lists(torch.stack(group))
+            counts += count.unbind(0)
+            indexes += index.unbind(0)
+        kv_count, full_count, q_count, full_q_count = counts
+        kv_index, full_index, q_index, full_q_index = indexes
         return cls(int(seqlen_q), int(seqlen_k), kv_count, kv_index, full_count, full_index, q_count, q_index,
                    full_q_count, full_q_index, block)  # fmt: skip
 
