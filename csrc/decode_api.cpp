@@ -71,6 +71,9 @@ int64_t decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
     p.page_table = page_table->data_ptr<int>();
     p.page_table_stride = page_table->stride(0);
     p.page_size = int(k_cache.size(1));
+    if ((p.page_size & (p.page_size - 1)) == 0) {
+      for (p.page_shift = 0; (1 << p.page_shift) < p.page_size;) ++p.page_shift;
+    }
     p.num_pages = int(k_cache.size(0));
     TORCH_CHECK(p.page_size >= 1 && page_table->size(1) * int64_t(p.page_size) < (int64_t(1) << 30),
                 "flash_attn4: max_pages * page_size must be < 2^30");

@@ -244,6 +244,7 @@ struct DecodeParams : SeqMaskParams {
   const int* page_table = nullptr;
   int64_t page_table_stride = 0;
   int page_size = 0, num_pages = 0;
+  int page_shift = -1;  // log2(page_size) where it is a power of two (a shift per key row, not a division)
   int capacity = 0;     // key rows a sequence can hold: the cache's seqlen, or max_pages * page_size
   int cache_batch = 0;  // rows of a contiguous cache (cache_batch_idx values are clamped into it)
 

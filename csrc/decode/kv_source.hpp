@@ -30,15 +30,22 @@ struct ContiguousKV {
   }
 };
 
+// The page of key row t: a shift for power-of-two page sizes (every size in common use), which the loads
+// compute for every row they issue; a division otherwise.
+CUTE_DEVICE int page_of(DecodeParams const& p, int t) {
+  return p.page_shift >= 0 ? t >> p.page_shift : t / p.page_size;
+}
+
 // (num_pages, page_size, heads, d) + page_table (batch, max_pages): any page size from 1 up.
 struct PagedKV {
   static constexpr bool kPaged = true;
   CUTE_DEVICE static int slab_of(DecodeParams const&, int b) { return b; }
   CUTE_DEVICE static KVRow locate(DecodeParams const& p, int, int b, int t) {
     if (t < 0 || t >= p.capacity) return {0, 0, false};
-    const int page = p.page_table[int64_t(b) * p.page_table_stride + t / p.page_size];
+    const int g = page_of(p, t);
+    const int page = p.page_table[int64_t(b) * p.page_table_stride + g];
     const bool valid = page >= 0 && page < p.num_pages;
-    return {valid ? page : 0, t % p.page_size, valid};
+    return {valid ? page : 0, t - g * p.page_size, valid};
   }
 };
 
@@ -72,11 +79,11 @@ struct PageRing {
     issued += count;
   }
   CUTE_DEVICE void refill(DecodeParams const& p, int tile_first_key) {
-    if (issued < tile_first_key / p.page_size - g0 + kSize / 2) fill(p, kSize / 2);
+    if (issued < page_of(p, tile_first_key) - g0 + kSize / 2) fill(p, kSize / 2);
   }
   CUTE_DEVICE KVRow locate(DecodeParams const& p, int t) const {
     if (t < 0 || t >= p.capacity) return {0, 0, false};
-    const int g = t / p.page_size;
+    const int g = page_of(p, t);
     const int page = slots[(g - g0) & (kSize - 1)];
     return {page >= 0 && page < p.num_pages ? page : 0, t - g * p.page_size, page >= 0 && page < p.num_pages};
   }
