@@ -14,6 +14,10 @@ Environment knobs:
                                   targets ask for). For testing: FLASH_ATTN4_ARCHS=90 FLASH_ATTN4_FAMILIES=80
                                   builds only the Ampere-path kernels, as sm_90a SASS, so a Hopper GPU runs
                                   that path without building the Hopper kernels
+  FLASH_ATTN4_OPTIONS=dropout     the optional kernel sets to compile, of sparse, fp8, alibi, dropout, mla and
+                                  decode, or none (default: all); the rest run on the PyTorch reference. For
+                                  development builds that need one variant: FLASH_ATTN4_HDIMS=128
+                                  FLASH_ATTN4_OPTIONS=dropout compiles 12 instantiations instead of 29
   FLASH_ATTN4_SKIP_CUDA_BUILD=1   install the Python package only (reference path; torch is still required)
   MAX_JOBS=N                      parallel nvcc jobs (default: sized to cores and memory)
   CUTLASS_INCLUDE_DIR=...         CUTLASS headers (default: the pinned nvidia-cutlass wheel)
@@ -179,6 +183,35 @@ def kernel_families(archs: list[int]) -> tuple[int, ...]:
     return fams
 
 
+KERNEL_OPTIONS = ("sparse", "fp8", "alibi", "dropout", "mla", "decode")
+
+
+def kernel_options() -> dict[str, bool]:
+    """FLASH_ATTN4_OPTIONS: which optional kernel sets to generate (all by default, none with "none")."""
+    items = env_list("FLASH_ATTN4_OPTIONS", KERNEL_OPTIONS)
+    chosen = set() if items == ["none"] else set(items)
+    bad = sorted(chosen - set(KERNEL_OPTIONS))
+    if bad or not items:
+        raise SystemExit(
+            f"FLASH_ATTN4_OPTIONS: unknown {bad or items}; give a comma list of {', '.join(KERNEL_OPTIONS)} "
+            "(default: all), or none"
+        )
+    return {name: name in chosen for name in KERNEL_OPTIONS}
+
+
+def build_kernels(archs: list[int], dtypes: list[str], hdims: list[int]):
+    """(kernels, decode kernels) this build compiles: FLASH_ATTN4_FAMILIES / FLASH_ATTN4_OPTIONS applied."""
+    opts = kernel_options()
+    decode = opts.pop("decode")
+    ks = generate_kernels.kernels(
+        archs=archs, dtypes=dtypes, hdims=hdims, fams=kernel_families(archs), **opts
+    )
+    if not decode:
+        return ks, []
+    dtypes_16 = sorted({k.dtype for k in ks if k.dtype in generate_kernels.DTYPES})
+    return ks, generate_kernels.decode_kernels(dtypes_16, sorted({k.hdim for k in ks}))
+
+
 def write_build_config(
     built: bool, reason: str, archs: list[int], dtypes: list[str], hdims: list[int]
 ) -> None:
@@ -190,7 +223,7 @@ def write_build_config(
         cuda_version = torch.version.cuda or ""
     except ImportError:
         pass
-    kernels = generate_kernels.kernels(archs=archs, dtypes=dtypes, hdims=hdims, fams=kernel_families(archs))
+    kernels, decode_kernels = build_kernels(archs, dtypes, hdims)
     sparse_hdims = generate_kernels.sparse_hdims(kernels)
     fp8_hdims = generate_kernels.fp8_hdims(kernels)
     alibi_hdims = generate_kernels.alibi_hdims(kernels)
@@ -209,7 +242,7 @@ def write_build_config(
         f"ALIBI_HDIMS = {alibi_hdims if built else ()!r}\n"
         f"DROPOUT_HDIMS = {dropout_hdims if built else ()!r}\n"
         f"MLA_HDIMS = {mla_hdims if built else ()!r}\n"
-        f"DECODE_HDIMS = {tuple(h for h in hdims if h in generate_kernels.DECODE_HDIMS) if built else ()!r}\n"
+        f"DECODE_HDIMS = {tuple(sorted({k.hdim for k in decode_kernels})) if built else ()!r}\n"
         f"TORCH_VERSION = {torch_version!r}\n"
         f"CUDA_VERSION = {cuda_version!r}\n"
     )
@@ -221,9 +254,10 @@ def cuda_extension(archs: list[int], dtypes: list[str], hdims: list[int]):
     from torch.utils.cpp_extension import CUDAExtension
 
     # archs: build targets
-    kernels = generate_kernels.kernels(archs=archs, dtypes=dtypes, hdims=hdims, fams=kernel_families(archs))
-    sources = generate_kernels.generate(ROOT / "csrc" / "instantiations", kernels)
-    log(f"compiling {len(kernels)} kernel instantiations: archs={archs} dtypes={dtypes} hdims={hdims}")
+    kernels, decode_kernels = build_kernels(archs, dtypes, hdims)
+    sources = generate_kernels.generate(ROOT / "csrc" / "instantiations", kernels, decode_kernels)
+    count = len(kernels) + len(decode_kernels)
+    log(f"compiling {count} kernel instantiations: archs={archs} dtypes={dtypes} hdims={hdims}")
     return CUDAExtension(
         name="flash_attn4._C",
         sources=[

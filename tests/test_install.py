@@ -269,6 +269,28 @@ def test_families_override_and_decode_head_dims(setup_module, monkeypatch):
     )
 
 
+def test_options_pick_the_optional_kernel_sets(setup_module, monkeypatch):
+    """FLASH_ATTN4_OPTIONS limits the optional kernel sets (block-sparse, fp8, ALiBi, dropout, MLA, decode) a
+    build generates; the plain kernels of every built head dim and mask stay; a typo fails the build."""
+    monkeypatch.delenv("FLASH_ATTN4_OPTIONS", raising=False)
+    ks, ds = setup_module.build_kernels([90], ["bf16"], [128])
+    assert len(ks) == 27 and len(ds) == 2  # plain, sparse, ALiBi, dropout (6 each), fp8 (3); decode (2)
+    monkeypatch.setenv("FLASH_ATTN4_OPTIONS", "dropout")
+    ks, ds = setup_module.build_kernels([90], ["bf16"], [128])
+    assert len(ks) == 12 and not ds and sum(k.dropout for k in ks) == 6
+    assert not [k for k in ks if k.sparse or k.alibi or k.dtype == "e4m3"]
+    monkeypatch.setenv("FLASH_ATTN4_OPTIONS", "none")
+    ks, ds = setup_module.build_kernels([90], ["bf16"], [192])
+    assert len(ks) == 6 and not ds and not [k for k in ks if k.hdim_v]
+    monkeypatch.setenv("FLASH_ATTN4_OPTIONS", "mla,decode")
+    ks, ds = setup_module.build_kernels([90], ["bf16"], [128, 192])
+    assert sum(1 for k in ks if k.hdim_v) == 6 and {d.hdim for d in ds} == {128}  # contiguous, paged
+    for bad in ("dropuot", "none,mla", ","):
+        monkeypatch.setenv("FLASH_ATTN4_OPTIONS", bad)
+        with pytest.raises(SystemExit, match="FLASH_ATTN4_OPTIONS"):
+            setup_module.kernel_options()
+
+
 def test_mla_kernels_are_sm90_ones_of_the_q_head_dim(tmp_path):
     """MLA instantiations: sm90 kernels of both directions for every MLA_HDIMS pair whose q / k head dim is
     built, every mask and dtype, named and dispatched with v's head dim; none on the Ampere path."""
