@@ -206,10 +206,7 @@ def build_kernels(archs: list[int], dtypes: list[str], hdims: list[int]):
     ks = generate_kernels.kernels(
         archs=archs, dtypes=dtypes, hdims=hdims, fams=kernel_families(archs), **opts
     )
-    if not decode:
-        return ks, []
-    dtypes_16 = sorted({k.dtype for k in ks if k.dtype in generate_kernels.DTYPES})
-    return ks, generate_kernels.decode_kernels(dtypes_16, sorted({k.hdim for k in ks}))
+    return ks, generate_kernels.decode_kernels_for(ks) if decode else []
 
 
 def write_build_config(

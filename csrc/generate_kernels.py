@@ -148,6 +148,11 @@ def decode_kernels(dtypes=DTYPES, hdims=HDIMS) -> list[DecodeKernel]:
     return [DecodeKernel(d, h, paged) for d, h, paged in itertools.product(dtypes, hs, (False, True))]
 
 
+def decode_kernels_for(ks: list[Kernel]) -> list[DecodeKernel]:
+    """The decode kernels of the 16-bit dtypes and the head dims in `ks`."""
+    return decode_kernels(sorted({k.dtype for k in ks if k.dtype in DTYPES}), sorted({k.hdim for k in ks}))
+
+
 def kernels(
     archs=ARCHS, dtypes=DTYPES, hdims=HDIMS, sparse=True, fp8=True, alibi=True, dropout=True, mla=True,
     fams=None,
@@ -272,7 +277,7 @@ def generate(outdir: Path, ks: list[Kernel], ds: list[DecodeKernel] | None = Non
     `ds` defaults to the decode kernels of the dtypes and head dims in `ks`."""
     outdir.mkdir(parents=True, exist_ok=True)
     if ds is None:
-        ds = decode_kernels(sorted({k.dtype for k in ks if k.dtype in DTYPES}), sorted({k.hdim for k in ks}))
+        ds = decode_kernels_for(ks)
     paths = []
     for k in [*ks, *ds]:
         p = outdir / f"{k.name}.cu"
