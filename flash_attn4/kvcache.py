@@ -157,13 +157,61 @@ def attn_with_kvcache(
     op = _ops_kvcache.fwd_kvcache_impl if direct else torch.ops.flash_attn4.fwd_kvcache
     out, lse = op(
         q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, cache_leftpad, rotary_cos,
-        rotary_sin, rotary_interleaved, softmax_scale, causal and left == -1, left,
-        right if not causal else 0,
-        softcap, num_splits,
+        rotary_sin, rotary_interleaved, softmax_scale, *_kernel_mask(causal, left, right), softcap,
+        num_splits,
     )  # fmt: skip
     if sinks is not None:
         out, lse = _with_sinks(out, lse, sinks, head_dim=1)
     return (out, lse) if return_lse else out
+
+
+def _kernel_mask(causal: bool, left: int, right: int) -> tuple[bool, int, int]:
+    """(causal, window_left, window_right) as the op takes them: a causal window is a window with right 0."""
+    return causal and left == -1, left, right if not causal else 0
+
+
+def decode_step(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    cache_seqlens: Tensor,
+    cache_leftpad: Tensor | None,
+    *,
+    causal: bool,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    **options: Any,
+) -> Tensor:
+    """`attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=..., cache_leftpad=..., ...)` for callers whose
+    tensors are consistent by construction (the HF integration's decoding steps, once per layer and token).
+
+    When the decode kernel takes the call as it is (plain CUDA tensors, no tracing, its head dim built), the
+    call goes straight to it: the binding checks every shape, dtype, device and layout itself (and raises),
+    and the Python checks, about a third of the call's host time, are skipped. Anything else (other options,
+    CPU tensors, torch.compile) takes `attn_with_kvcache`, checks and all.
+    """
+    if (
+        not options
+        and q.shape[1] > 0
+        and k_cache.shape[1] > 0
+        and isinstance(window_size, tuple)
+        and _ops.eager_direct(q, k_cache, v_cache, cache_seqlens, cache_leftpad)
+        and _ops_kvcache.decode_available(q)[0]
+    ):
+        b, sq, hq, d = q.shape
+        out = q.new_empty(b, sq, hq, d)
+        lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
+        scale = float(softmax_scale) if softmax_scale is not None else d**-0.5
+        _ops_kvcache.decode_into(
+            q, k_cache, v_cache, out, lse, scale, *_kernel_mask(causal, *window_size), float(softcap), 0,
+            cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad,
+        )  # fmt: skip
+        return out
+    return attn_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad, causal=causal,
+        softmax_scale=softmax_scale, window_size=window_size, softcap=softcap, **options,
+    )  # fmt: skip
 
 
 def merge_attn_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:

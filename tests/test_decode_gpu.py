@@ -190,6 +190,33 @@ def test_eager_shortcut_equals_the_dispatched_op():
     assert torch.equal(out_direct, out_op)
 
 
+@pytest.mark.parametrize(
+    "causal, window, softcap", [(True, (-1, -1), 0.0), (True, (37, 0), 30.0), (False, (5, 9), 0.0)]
+)
+def test_decode_step_equals_attn_with_kvcache(causal, window, softcap):
+    """The HF integration's shortcut (no Python checks) computes what the public function does, on the
+    transposed (batch, heads, seqlen, dim) views HF hands over; a call it cannot take falls back."""
+    from flash_attn4.kvcache import decode_step
+
+    b, hq, hk, cap = 3, 8, 2, 300
+    q = torch.randn(b, hq, 1, HDIM, device=DEVICE, dtype=torch.bfloat16).transpose(1, 2)
+    k = torch.randn(b, hk, cap, HDIM, device=DEVICE, dtype=torch.bfloat16).transpose(1, 2)
+    v = torch.randn_like(k)
+    lens = torch.tensor([300, 17, 250], device=DEVICE, dtype=torch.int32)
+    leftpad = torch.tensor([0, 3, 100], device=DEVICE, dtype=torch.int32)
+    kw = dict(causal=causal, window_size=window, softcap=softcap, softmax_scale=0.1)
+    want = flash_attn4.attn_with_kvcache(q, k, v, cache_seqlens=lens, cache_leftpad=leftpad, **kw)
+    assert torch.equal(decode_step(q, k, v, lens, leftpad, **kw), want)
+    ref, _ = attention_kvcache_ref(q, k, v, cache_seqlens=lens, cache_leftpad=leftpad, causal=causal,
+                                   window_size=window, softcap=softcap, softmax_scale=0.1)  # fmt: skip
+    assert (want.float() - ref.float()).abs().max().item() < 2e-2
+    sinks = torch.randn(hq, device=DEVICE)  # an option it leaves to the public function
+    assert torch.equal(
+        decode_step(q, k, v, lens, leftpad, sinks=sinks, **kw),
+        flash_attn4.attn_with_kvcache(q, k, v, cache_seqlens=lens, cache_leftpad=leftpad, sinks=sinks, **kw),
+    )
+
+
 def test_lying_values_do_not_fault():
     b, hk, d = 3, 2, HDIM
     kc, vc, pt = _make_cache(b, 256, hk, d, 16)

@@ -146,6 +146,10 @@ def test_lengths_and_packing_are_derived_once_per_forward():
     assert hf._decode_lengths(keep)[0] is lens
     keep[0, 0] = True
     assert hf._decode_lengths(keep)[1].tolist() == [0, 0]
+    long = torch.zeros(2, 9000, dtype=torch.bool)  # past the cached slot numbers' first size
+    long[0, 10:8999] = True
+    long[1, :3] = True
+    assert [t.tolist() for t in hf._decode_lengths(long)] == [[8999, 3], [10, 0]]
     pos = torch.tensor([[0, 1, 2, 0, 1]])
     cu = hf._packed_offsets(pos, 1, 5)
     assert cu.tolist() == [0, 3, 5] and hf._packed_offsets(pos, 1, 5) is cu

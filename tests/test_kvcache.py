@@ -162,3 +162,59 @@ def test_opt_in_checks_paged_and_varlen(checks_on):
     with pytest.raises(ValueError, match="more than max_seqlen_q"):
         flash_attn4.attn_varlen(qv, kv, kv, ok, ok, 5, 10)
     flash_attn4.attn_varlen(qv, kv, kv, ok, ok, 7, 7)
+
+
+def test_decode_step_falls_back_to_the_public_function():
+    """Off the decode kernel (here: CPU tensors) `decode_step` is `attn_with_kvcache`, checks included."""
+    from flash_attn4.kvcache import decode_step
+
+    torch.manual_seed(3)
+    q = torch.randn(2, 1, 4, 16)
+    kc, vc = torch.randn(2, 9, 2, 16), torch.randn(2, 9, 2, 16)
+    lens, leftpad = torch.tensor([9, 6], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32)
+    kw = dict(causal=True, window_size=(4, 0), softcap=5.0)
+    want = flash_attn4.attn_with_kvcache(q, kc, vc, cache_seqlens=lens, cache_leftpad=leftpad, **kw)
+    torch.testing.assert_close(decode_step(q, kc, vc, lens, leftpad, **kw), want, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="nheads"):
+        decode_step(q[:, :, :3], kc, vc, lens, leftpad, causal=True)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(causal=True),
+        dict(causal=True, window_size=(37, 0), softcap=30.0, softmax_scale=0.1),
+        dict(causal=False, window_size=(5, 9)),
+    ],
+)
+def test_decode_step_shortcut_passes_what_the_public_function_passes(monkeypatch, kw):
+    """Where the decode kernel takes the call, `decode_step` skips the Python checks and calls the kernels
+    directly: the arguments must be those `attn_with_kvcache` hands them (checked here without a GPU by
+    recording the kernel call)."""
+    import inspect
+
+    from flash_attn4 import _ops, _ops_kvcache
+    from flash_attn4.kvcache import decode_step
+
+    calls = []
+    params = inspect.signature(_ops_kvcache.decode_into).parameters
+
+    def record(*args, **kwargs):
+        bound = dict(zip(params, args), **kwargs)
+        calls.append({n: bound.get(n, p.default) for n, p in params.items() if n not in ("out", "lse")})
+        return 1
+
+    monkeypatch.setattr(_ops, "eager_direct", lambda *t: True)
+    monkeypatch.setattr(_ops_kvcache, "decode_available", lambda q: (True, ""))
+    monkeypatch.setattr(_ops_kvcache, "decode_into", record)
+    q = torch.randn(2, 1, 4, 16, dtype=torch.bfloat16)
+    kc, vc = torch.randn(2, 9, 2, 16, dtype=torch.bfloat16), torch.randn(2, 9, 2, 16, dtype=torch.bfloat16)
+    lens, leftpad = torch.tensor([9, 6], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32)
+    flash_attn4.attn_with_kvcache(q, kc, vc, cache_seqlens=lens, cache_leftpad=leftpad, **kw)
+    decode_step(q, kc, vc, lens, leftpad, **kw)
+    assert len(calls) == 2
+    public, shortcut = calls
+    assert public.keys() == shortcut.keys()
+    for name in public:
+        a, b = public[name], shortcut[name]
+        assert (a is b) if isinstance(a, torch.Tensor) or a is None else (a == b and type(a) is type(b)), name

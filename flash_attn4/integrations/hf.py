@@ -27,7 +27,7 @@ from torch import Tensor
 
 from flash_attn4._ops_kvcache import DECODE_MAX_ROWS
 from flash_attn4.interface import attn, attn_varlen
-from flash_attn4.kvcache import attn_with_kvcache
+from flash_attn4.kvcache import decode_step
 
 NAME = "fa4"
 
@@ -58,7 +58,9 @@ def mask_function(
         return None
     if q_length is None:  # transformers < 5 passes cache_position (one entry per query) instead
         q_length = int(kwargs["cache_position"].shape[0])
-    mask = attention_mask[:, -kv_length:].bool()
+    mask = attention_mask[:, -kv_length:]
+    if mask.dtype != torch.bool:
+        mask = mask.bool()
     if mask.shape[1] < kv_length:
         mask = torch.nn.functional.pad(mask, (0, kv_length - mask.shape[1]), value=False)
     elif q_length > DECODE_MAX_ROWS and not _is_compiling() and bool(mask.all()):
@@ -66,10 +68,25 @@ def mask_function(
     return mask
 
 
+_SLOTS: dict[torch.device, Tensor] = {}  # 1, 2, 3, ... (int32) per device, grown by doubling
+
+
+def _slots(n: int, device: torch.device) -> Tensor:
+    """torch.arange(1, n + 1, dtype=int32) on `device`, as a view of a cached tensor: a decoding step's
+    mask grows by a column a step, and each fresh arange is one more kernel on a host-bound step."""
+    if _is_compiling():
+        return torch.arange(1, n + 1, dtype=torch.int32, device=device)
+    have = _SLOTS.get(device)
+    if have is None or have.numel() < n:
+        have = _SLOTS[device] = torch.arange(1, max(n, 2 * (0 if have is None else have.numel()), 4096) + 1,
+                                             dtype=torch.int32, device=device)  # fmt: skip
+    return have[:n]
+
+
 def _filled_length(keep: Tensor) -> Tensor:
-    """(batch,) int32: one past each row's last real slot (0 for a row with none), computed on the device."""
-    slots = torch.arange(1, keep.shape[1] + 1, dtype=torch.int32, device=keep.device)
-    return (keep.to(torch.int32) * slots).amax(dim=1).to(torch.int32)
+    """(batch,) int32: one past each row's last real slot (0 for a row with none), computed on the device
+    (two kernels: where, amax)."""
+    return torch.where(keep, _slots(keep.shape[1], keep.device), 0).amax(dim=1)
 
 
 class _PerForward:
@@ -115,7 +132,7 @@ def _padding_mask(attention_mask: Tensor | None, kv_len: int) -> Tensor | None:
     if attention_mask is None:
         return None
     if attention_mask.dim() == 2:
-        return attention_mask.bool()
+        return attention_mask if attention_mask.dtype == torch.bool else attention_mask.bool()
     if attention_mask.dim() == 4:
         if _is_compiling():
             return None  # data-dependent; under torch.compile the 4-D path assumes no padding
@@ -191,11 +208,11 @@ def _decode_padded(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, causal: bool, 
     """Decoding (or a short chunk) with a padding mask: keep (B, L), L <= Skv (a StaticCache is longer than
     what is filled). Sequence b's keys are slots [n_b - keep[b].sum(), n_b), n_b one past its last real
     slot: generation pads on the left, as transformers requires of decoder-only models, and a StaticCache's
-    unfilled slots come after n_b; the queries are the last Sq of those slots. One attn_with_kvcache call,
-    with no host synchronisation (so it also runs inside a compiled graph)."""
+    unfilled slots come after n_b; the queries are the last Sq of those slots. One attn_with_kvcache call
+    (`decode_step`), with no host synchronisation (so it also runs inside a compiled graph)."""
     kw.pop("deterministic", None)  # forward only: the decode kernel is deterministic
     lens, leftpad = _decode_lengths(keep)
-    return attn_with_kvcache(q, k, v, cache_seqlens=lens, cache_leftpad=leftpad, causal=causal, **kw)
+    return decode_step(q, k, v, lens, leftpad, causal=causal, **kw)
 
 
 def _target_dtype(query: Tensor, module: torch.nn.Module) -> torch.dtype:
@@ -228,7 +245,10 @@ def attention_forward(
     b, hq, sq, d = query.shape
     causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
     dtype = _target_dtype(query, module)
-    q, k, v = (t.transpose(1, 2).to(dtype) for t in (query, key, value))
+    # .to only where it changes something: each no-op call still costs host time on a decoding step.
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    if not query.dtype == key.dtype == value.dtype == dtype:
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     kw: dict[str, Any] = {"softmax_scale": scaling, "softcap": float(softcap or 0.0)}
     # transformers passes dropout=0.0 outside training (every 5.x model: `0.0 if not self.training else
     # ...`); module.training is checked too, so a model in eval mode never applies its train-time dropout.
@@ -261,7 +281,7 @@ def attention_forward(
             # Bottom-right causal: q_len == kv_len is ordinary causal, q_len == 1 (decoding) sees every key,
             # and a chunked prefill sees the cache plus its own causal part.
             out = attn(q, k, v, causal=causal, **kw)
-    return out.to(query.dtype), None
+    return (out if out.dtype == query.dtype else out.to(query.dtype)), None
 
 
 def _interfaces():
