@@ -73,8 +73,9 @@ _SLOTS: dict[torch.device, Tensor] = {}  # 1, 2, 3, ... (int32) per device, grow
 
 def _slots(n: int, device: torch.device) -> Tensor:
     """torch.arange(1, n + 1, dtype=int32) on `device`, as a view of a cached tensor: a decoding step's
-    mask grows by a column a step, and each fresh arange is one more kernel on a host-bound step."""
-    if _is_compiling():
+    mask grows by a column a step, and each fresh arange is one more kernel on a host-bound step. Not cached
+    while compiling or capturing a CUDA graph (a tensor made there holds its values only in replays)."""
+    if _is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return torch.arange(1, n + 1, dtype=torch.int32, device=device)
     have = _SLOTS.get(device)
     if have is None or have.numel() < n:
