@@ -193,8 +193,8 @@ def decode_step(
     """
     if (
         not options
-        and q.shape[1] > 0
-        and k_cache.shape[1] > 0
+        and q.numel() > 0
+        and k_cache.shape[1] > 0  # (fwd_kvcache_impl's conditions for the kernel)
         and isinstance(window_size, tuple)
         and _ops.eager_direct(q, k_cache, v_cache, cache_seqlens, cache_leftpad)
         and _ops_kvcache.decode_available(q)[0]
