@@ -186,26 +186,20 @@ def decode_step(
     """`attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=..., cache_leftpad=..., ...)` for callers whose
     tensors are consistent by construction (the HF integration's decoding steps, once per layer and token).
 
-    When the decode kernel takes the call as it is (plain CUDA tensors, no tracing, its head dim built), the
-    call goes straight to it: the binding checks every shape, dtype, device and layout itself (and raises),
-    and the Python checks, about a third of the call's host time, are skipped. Anything else (other options,
-    CPU tensors, torch.compile) takes `attn_with_kvcache`, checks and all.
+    Where the op's implementation may be called directly (plain CUDA tensors, no tracing: `_ops.eager_direct`)
+    it is, without the Python checks, about a third of the call's host time: the decode kernel's binding
+    checks every shape, dtype, device and layout itself (and raises). Anything else (other options, CPU
+    tensors, torch.compile) takes `attn_with_kvcache`, checks and all.
     """
     if (
         not options
-        and q.numel() > 0
-        and k_cache.shape[1] > 0  # (fwd_kvcache_impl's conditions for the kernel)
         and isinstance(window_size, tuple)
         and _ops.eager_direct(q, k_cache, v_cache, cache_seqlens, cache_leftpad)
-        and _ops_kvcache.decode_available(q)[0]
     ):
-        b, sq, hq, d = q.shape
-        out = q.new_empty(b, sq, hq, d)
-        lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
-        scale = float(softmax_scale) if softmax_scale is not None else d**-0.5
-        _ops_kvcache.decode_into(
-            q, k_cache, v_cache, out, lse, scale, *_kernel_mask(causal, *window_size), float(softcap), 0,
-            cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad,
+        scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
+        out, _ = _ops_kvcache.fwd_kvcache_impl(
+            q, k_cache, v_cache, None, None, cache_seqlens, None, None, cache_leftpad, None, None, False,
+            scale, *_kernel_mask(causal, *window_size), float(softcap), 0,
         )  # fmt: skip
         return out
     return attn_with_kvcache(
