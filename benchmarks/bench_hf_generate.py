@@ -14,6 +14,7 @@ Writes benchmarks/results/<gpu>_hf_generate.json unless --no-save.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import statistics
@@ -104,12 +105,12 @@ def sync_sites(model, ids, steps: int) -> list[tuple[int, str]]:
     return sorted(((n, k) for k, n in sites.items()), reverse=True)
 
 
-def attention_host_us(model, ids, steps: int) -> float:
-    """Mean host time (us) of one decoding call of the model's attention function (q length 1): the
-    registered function is wrapped in a timer for `steps` decode steps."""
+@contextlib.contextmanager
+def decoding_call_times(name: str):
+    """Yields a list that collects the host seconds of each decoding call (query length 1) of the attention
+    function registered as `name`, while the block runs."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    name = model.config._attn_implementation
     table = ALL_ATTENTION_FUNCTIONS._global_mapping
     inner, times = table[name], []
 
@@ -122,9 +123,16 @@ def attention_host_us(model, ids, steps: int) -> float:
 
     table[name] = timed
     try:
-        decode_steps(model, ids, steps)
+        yield times
     finally:
         table[name] = inner
+
+
+def attention_host_us(model, ids, steps: int) -> float:
+    """Median host time (us) of one decoding call of the model's attention function over `steps` decode
+    steps."""
+    with decoding_call_times(model.config._attn_implementation) as times:
+        decode_steps(model, ids, steps)
     return statistics.median(times) * 1e6 if times else float("nan")
 
 

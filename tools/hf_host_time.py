@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -24,6 +23,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flash_attn4 import _ops, _ops_kvcache  # noqa: E402
 from flash_attn4.integrations import hf  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from bench_hf_generate import decoding_call_times  # noqa: E402
 
 
 def stub_kernels() -> None:
@@ -38,31 +40,16 @@ def stub_kernels() -> None:
 
 def host_us(name: str, args) -> float:
     from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=args.layers,
                       num_attention_heads=16, num_key_value_heads=4, vocab_size=1000)  # fmt: skip
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
     model.set_attn_implementation(name)
-    table = ALL_ATTENTION_FUNCTIONS._global_mapping
-    inner, times = table[name], []
-
-    def timed(module, query, *a, **kw):
-        t0 = time.perf_counter()
-        out = inner(module, query, *a, **kw)
-        if query.shape[2] == 1:
-            times.append(time.perf_counter() - t0)
-        return out
-
-    table[name] = timed
     ids = torch.randint(0, cfg.vocab_size, (args.batch, 64))
-    try:
-        with torch.no_grad():
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new_tokens,
-                           min_new_tokens=args.new_tokens, do_sample=False)  # fmt: skip
-    finally:
-        table[name] = inner
+    with decoding_call_times(name) as times, torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new_tokens,
+                       min_new_tokens=args.new_tokens, do_sample=False)  # fmt: skip
     return statistics.median(times) * 1e6
 
 
