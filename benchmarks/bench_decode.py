@@ -20,7 +20,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(ROOT / "benchmarks"))
 import flash_attn4  # noqa: E402
+from bench_fwd import gpu_slug  # noqa: E402
 
 ROWS = [  # batch, cache length, hq, hk, hdim
     (1, 131072, 32, 8, 128),
@@ -255,7 +257,7 @@ def main() -> None:
     records = host_rows(args) + bandwidth_rows(args, pages, clocks)
     print(f"SM clock seen: {min(clocks)}-{max(clocks)} MHz")
     if not args.no_save:
-        gpu = torch.cuda.get_device_name().split()[-1].lower()
+        gpu = gpu_slug(torch.cuda.get_device_name())
         meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
                     sm_clock_mhz=[min(clocks), max(clocks)])  # fmt: skip
         for r in records:

@@ -26,7 +26,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(ROOT / "benchmarks"))
 import flash_attn4  # noqa: E402
+from bench_fwd import gpu_slug  # noqa: E402
 
 
 def build(args):
@@ -206,7 +208,7 @@ def main() -> None:
                                     hdim=args.hidden // args.heads, dtype="bf16", causal=True, s=med[impl],
                                     s_rounds=ts, same_tokens=same))  # fmt: skip
     if not args.no_save:
-        gpu = torch.cuda.get_device_name().split()[-1].lower()
+        gpu = gpu_slug(torch.cuda.get_device_name())
         import transformers
 
         meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
