@@ -27,8 +27,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(ROOT / "benchmarks"))
-import flash_attn4  # noqa: E402
 from bench_fwd import gpu_slug  # noqa: E402
+
+import flash_attn4  # noqa: E402
 
 
 def build(args):
