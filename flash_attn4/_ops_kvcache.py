@@ -2,12 +2,14 @@
 
     flash_attn4::fwd_kvcache(q, k_cache!, v_cache!, k?, v?, cache_seqlens?, page_table?, cache_batch_idx?,
                              cache_leftpad?, rotary_cos?, rotary_sin?, rotary_interleaved, softmax_scale,
-                             causal, window_left, window_right, softcap, num_splits) -> (out, lse)
+                             causal, window_left, window_right, softcap, num_splits, k_descale?,
+                             v_descale?) -> (out, lse)
 
 appends k / v into the caches in place (the op declares the mutation, so torch.compile and CUDA graphs see
 it) and attends. CUDA calls run the decode kernels (csrc/decode/: append + rotary, split-KV attention,
 combine), reading every length, page id and batch index on the device; others run
-`_reference_kvcache.attention_kvcache_ref`. Forward only (inference), like FlashAttention's.
+`_reference_kvcache.attention_kvcache_ref`, and so do fp8 caches (k_descale / v_descale) for now: the decode
+kernels read 16-bit caches. Forward only (inference), like FlashAttention's.
 
 `decode_into` is also how `attn` runs short query blocks (decoding with HF's DynamicCache calls `attn` with
 one query token): the dense k / v are then a full contiguous cache.
@@ -22,11 +24,12 @@ from torch import Tensor
 
 from flash_attn4 import _build_info
 from flash_attn4._ops import _tma_ready, _warn_once
-from flash_attn4._reference_kvcache import attention_kvcache_ref
+from flash_attn4._reference_kvcache import FP8_CACHE_DTYPES, attention_kvcache_ref
 
 # `attn` takes the decode kernel when a KV head's packed query rows (seqlen_q x GQA group) fit this many
 # 16-row tiles: each tile re-reads K / V (from L2), so beyond a few the tiled forward kernels are faster.
 DECODE_MAX_ROWS = 64
+FP8_CACHE_REASON = "fp8 KV caches run on the PyTorch reference: the decode kernels read 16-bit caches only"
 
 
 def decode_available(q: Tensor) -> tuple[bool, str]:
@@ -126,10 +129,14 @@ def fwd_kvcache_impl(
     window_right: int,
     softcap: float,
     num_splits: int,
+    k_descale: Optional[Tensor] = None,
+    v_descale: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """Inputs are validated by `kvcache.attn_with_kvcache`."""
     b, sq, hq, d = q.shape
     ok, why = decode_available(q)
+    if k_cache.dtype in FP8_CACHE_DTYPES:
+        ok, why = False, FP8_CACHE_REASON
     capacity = page_table.shape[1] * k_cache.shape[1] if page_table is not None else k_cache.shape[1]
     if ok and q.numel() > 0 and capacity > 0:
         out = q.new_empty(b, sq, hq, d)
@@ -176,6 +183,8 @@ def fwd_kvcache_impl(
         softmax_scale=softmax_scale,
         window_size=(window_left, window_right),
         softcap=softcap,
+        k_descale=k_descale,
+        v_descale=v_descale,
     )
     return out.contiguous(), lse.float().contiguous() if lse.dtype != torch.float64 else lse.contiguous()
 

@@ -13,6 +13,8 @@ both paths):
   outside the pool reads as zeros.
 - Rotary: the new k at positions cache_seqlens_b - leftpad_b + t; q at the same positions with a causal or
   window mask, else all of q at cache_seqlens_b - leftpad_b; positions past rotary_cos's rows use its last.
+- fp8 caches: sequence b's keys and values are the cache's values times k_descale[b, h] / v_descale[b, h]
+  (1 where None) for kv head h, in fp32; the attention then runs in fp32 and out takes q's dtype.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ import torch
 from torch import Tensor
 
 from flash_attn4 import reference
+
+# Cache dtypes read through k_descale / v_descale.
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn,)
 
 
 def apply_rotary_ref(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interleaved: bool) -> Tensor:
@@ -65,9 +70,12 @@ def attention_kvcache_ref(
     softmax_scale: float | None = None,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    k_descale: Tensor | None = None,
+    v_descale: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(out, lse) of attention over the cache after appending k / v in place (see the module docstring).
     out: like q; lse: (batch, nheads_q, seqlen_q) float32 (float64 for float64 inputs)."""
+    fp8 = k_cache.dtype in FP8_CACHE_DTYPES
     b, sq, hq, d = q.shape
     paged = page_table is not None
     num_slabs = k_cache.shape[0]
@@ -129,8 +137,14 @@ def attention_kvcache_ref(
             loc = locate(bi, row)
             if loc is not None:
                 kb[i], vb[i] = k_cache[loc[0], loc[1]], v_cache[loc[0], loc[1]]
+        qb = q[bi : bi + 1]
+        if fp8:
+            kb = kb.float() * (1.0 if k_descale is None else k_descale[bi, :, None].float())
+            vb = vb.float() * (1.0 if v_descale is None else v_descale[bi, :, None].float())
+            qb = qb.float() if qb.dtype != torch.float64 else qb
+            kb, vb = kb.to(qb.dtype), vb.to(qb.dtype)
         o, lse = reference.attention_ref(
-            q[bi : bi + 1],
+            qb,
             kb[None],
             vb[None],
             causal=causal,
@@ -138,7 +152,7 @@ def attention_kvcache_ref(
             window_size=window_size,
             softcap=softcap,
         )
-        outs.append(o)
+        outs.append(o.to(q.dtype))
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)
 

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from flash_attn4 import _ops, _ops_kvcache, checks  # (importing the _ops modules registers the ops)
-from flash_attn4._reference_kvcache import merge_attn_states_ref
+from flash_attn4._reference_kvcache import FP8_CACHE_DTYPES, merge_attn_states_ref
 from flash_attn4._sinks import _validate_sinks, _with_sinks
 from flash_attn4.interface import _validate_device_rules, _validate_options
 
@@ -28,8 +28,14 @@ def _validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cach
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D tensor, got {getattr(t, 'shape', type(t).__name__)}")
-        if t.device != q.device or t.dtype != q.dtype:
-            raise TypeError(f"{name} must have q's device and dtype ({q.device}, {q.dtype})")
+        if t.device != q.device:
+            raise TypeError(f"{name} must be on q's device ({q.device})")
+    cache_dtype = k_cache.dtype
+    if v_cache.dtype != cache_dtype or (cache_dtype != q.dtype and cache_dtype not in FP8_CACHE_DTYPES):
+        raise TypeError(
+            f"k_cache and v_cache must both have q's dtype ({q.dtype}) or both be float8_e4m3fn (with "
+            f"k_descale / v_descale), got {k_cache.dtype} and {v_cache.dtype}"
+        )
     if k_cache.shape != v_cache.shape:
         raise ValueError(
             f"k_cache and v_cache must have one shape, got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
@@ -71,13 +77,17 @@ def _validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cach
                 raise ValueError(
                     f"{name} must be (batch, seqlen_new, nheads_kv, headdim) = ({b}, *, {hk}, {d})"
                 )
-            if t.dtype != q.dtype or t.device != q.device:
-                raise TypeError(f"{name} must have q's dtype and device")
+            if t.dtype != cache_dtype or t.device != q.device:
+                raise TypeError(f"{name} must have the caches' dtype ({cache_dtype}) and q's device")
         if k.shape != v.shape:
             raise ValueError("k and v must have one shape")
     if (rotary_cos is None) != (rotary_sin is None):
         raise ValueError("pass both rotary_cos and rotary_sin, or neither")
     if rotary_cos is not None:
+        if cache_dtype != q.dtype and k is not None:
+            raise ValueError(
+                "rotary on the new k needs a 16-bit cache: rotate k before quantizing it for an fp8 one"
+            )
         for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
             if not isinstance(t, Tensor) or t.dim() != 2 or t.shape != rotary_cos.shape:
                 raise ValueError(f"{name} must be (seqlen_ro, rotary_dim / 2), shaped like rotary_cos")
@@ -108,6 +118,8 @@ def attn_with_kvcache(
     num_splits: int = 0,
     return_lse: bool = False,
     sinks: Tensor | None = None,
+    k_descale: Tensor | None = None,
+    v_descale: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of q over a KV cache, appending k / v into it first (in place), FlashAttention's semantics.
 
@@ -131,6 +143,11 @@ def attn_with_kvcache(
         num_splits: 0 = choose, 1 = no split, N = split the keys N ways.
         return_lse: also return lse (batch, nheads_q, seqlen_q) float32.
         sinks: optional (nheads_q,) attention-sink logits, as for `attn`.
+        k_descale, v_descale: fp8 caches (`torch.float8_e4m3fn` k_cache and v_cache, q 16-bit): fp32
+            (batch, nheads_kv) scales, sequence b's key (value) of kv head h being k_cache's value times
+            k_descale[b, h]; None means 1. New k / v are appended as they are, so they come quantized with the
+            same scales (`flash_attn4.quantize_fp8`), in the caches' dtype. Such caches run on the PyTorch
+            reference for now (a warning on CUDA says so).
 
     Lengths, page ids and batch indices are read on the device (no host synchronisation: the call can be
     captured in a CUDA graph and replayed with new values). Values that lie never fault: lengths are clamped
@@ -149,6 +166,7 @@ def attn_with_kvcache(
     if not isinstance(rotary_interleaved, bool):
         raise TypeError("rotary_interleaved must be a bool")
     _validate_sinks(sinks, q.shape[2], q.device)
+    _validate_descales(q, k_cache, k_descale, v_descale)
     if checks.checks_enabled():
         checks.check_kvcache(k_cache, 0 if k is None else k.shape[1], cache_seqlens, page_table,
                              cache_batch_idx, cache_leftpad)  # fmt: skip
@@ -158,11 +176,25 @@ def attn_with_kvcache(
     out, lse = op(
         q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, cache_leftpad, rotary_cos,
         rotary_sin, rotary_interleaved, softmax_scale, *_kernel_mask(causal, left, right), softcap,
-        num_splits,
+        num_splits, k_descale, v_descale,
     )  # fmt: skip
     if sinks is not None:
         out, lse = _with_sinks(out, lse, sinks, head_dim=1)
     return (out, lse) if return_lse else out
+
+
+def _validate_descales(q: Tensor, k_cache: Tensor, k_descale: Any, v_descale: Any) -> None:
+    fp8 = k_cache.dtype in FP8_CACHE_DTYPES
+    for name, t in (("k_descale", k_descale), ("v_descale", v_descale)):
+        if t is None:
+            continue
+        if not fp8:
+            raise TypeError(f"{name} scales fp8 caches; these caches are {k_cache.dtype} (pass None)")
+        shape = (q.shape[0], k_cache.shape[2])
+        if not isinstance(t, Tensor) or t.dtype != torch.float32 or tuple(t.shape) != shape:
+            raise TypeError(f"{name} must be a float32 (batch, nheads_kv) = {shape} tensor")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
 
 
 def _kernel_mask(causal: bool, left: int, right: int) -> tuple[bool, int, int]:
@@ -199,7 +231,7 @@ def decode_step(
         scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
         out, _ = _ops_kvcache.fwd_kvcache_impl(
             q, k_cache, v_cache, None, None, cache_seqlens, None, None, cache_leftpad, None, None, False,
-            scale, *_kernel_mask(causal, *window_size), float(softcap), 0,
+            scale, *_kernel_mask(causal, *window_size), float(softcap), 0, None, None,
         )  # fmt: skip
         return out
     return attn_with_kvcache(

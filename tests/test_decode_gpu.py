@@ -261,3 +261,26 @@ def test_merge_attn_states_matches_whole():
     ref, ref_l = flash_attn4.attn(q, k, v, return_lse=True)
     assert (o.float() - ref.float()).abs().max().item() < 2e-2
     assert (l_ - ref_l).abs().max().item() < 1e-3
+
+
+def test_fp8_cache_takes_the_reference_on_cuda():
+    """fp8 caches have no decode kernel yet: the CUDA call must run the reference (and say so once) and agree
+    with the same call on the CPU."""
+    from flash_attn4 import _ops
+
+    fp8 = torch.float8_e4m3fn
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    b, cap, hk, hq = 2, 96, 2, 8
+    k = torch.randn(b, cap, hk, HDIM, device=DEVICE, generator=g)
+    v = torch.randn(b, cap, hk, HDIM, device=DEVICE, generator=g)
+    kd, vd = (k.abs().amax((1, 3)) / 448).float(), (v.abs().amax((1, 3)) / 448).float()
+    kc, vc = (k / kd[:, None, :, None]).to(fp8), (v / vd[:, None, :, None]).to(fp8)
+    q = torch.randn(b, 1, hq, HDIM, device=DEVICE, dtype=torch.bfloat16, generator=g)
+    lens = torch.tensor([96, 41], dtype=torch.int32, device=DEVICE)
+    _ops._warned.discard(_ops_kvcache.FP8_CACHE_REASON)
+    with pytest.warns(_ops.ReferenceFallbackWarning, match="fp8 KV caches"):
+        out = flash_attn4.attn_with_kvcache(q, kc, vc, cache_seqlens=lens, k_descale=kd, v_descale=vd)
+    cpu = flash_attn4.attn_with_kvcache(
+        q.cpu(), kc.cpu(), vc.cpu(), cache_seqlens=lens.cpu(), k_descale=kd.cpu(), v_descale=vd.cpu()
+    )
+    torch.testing.assert_close(out.cpu().float(), cpu.float(), atol=2e-2, rtol=2e-2)
