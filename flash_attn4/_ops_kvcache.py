@@ -134,9 +134,7 @@ def fwd_kvcache_impl(
 ) -> tuple[Tensor, Tensor]:
     """Inputs are validated by `kvcache.attn_with_kvcache`."""
     b, sq, hq, d = q.shape
-    ok, why = decode_available(q)
-    if k_cache.dtype in FP8_CACHE_DTYPES:
-        ok, why = False, FP8_CACHE_REASON
+    ok, why = (False, FP8_CACHE_REASON) if k_cache.dtype in FP8_CACHE_DTYPES else decode_available(q)
     capacity = page_table.shape[1] * k_cache.shape[1] if page_table is not None else k_cache.shape[1]
     if ok and q.numel() > 0 and capacity > 0:
         out = q.new_empty(b, sq, hq, d)

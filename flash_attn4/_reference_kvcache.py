@@ -139,10 +139,12 @@ def attention_kvcache_ref(
                 kb[i], vb[i] = k_cache[loc[0], loc[1]], v_cache[loc[0], loc[1]]
         qb = q[bi : bi + 1]
         if fp8:
-            kb = kb.float() * (1.0 if k_descale is None else k_descale[bi, :, None].float())
-            vb = vb.float() * (1.0 if v_descale is None else v_descale[bi, :, None].float())
-            qb = qb.float() if qb.dtype != torch.float64 else qb
-            kb, vb = kb.to(qb.dtype), vb.to(qb.dtype)
+            acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+            qb, kb, vb = qb.to(acc), kb.to(acc), vb.to(acc)
+            if k_descale is not None:
+                kb = kb * k_descale[bi, :, None].to(acc)
+            if v_descale is not None:
+                vb = vb * v_descale[bi, :, None].to(acc)
         o, lse = reference.attention_ref(
             qb,
             kb[None],
