@@ -3,7 +3,7 @@
 // with these values. docs/design.md, "Tile sizes", has the reasoning at length.
 //
 // sm90 forward: kBlockM = 128 rows of queries split over two consumer warpgroups (64 rows each: one
-// WGMMA M-atom), kBlockN keys per K/V stage. The constraints that pick kBlockN:
+// WGMMA M-atom; 192 over three at hdim 64, below), kBlockN keys per K/V stage. The constraints that pick kBlockN:
 //   * shared memory: Q (and O, which aliases it) + kStages * (K + V) <= 227 KB;
 //   * registers: each consumer thread holds S (64 x kBlockN / 128 fp32), P (half that) and O
 //     (64 x head_dim / 128 fp32) within the 240 registers setmaxnreg gives it.
@@ -24,9 +24,13 @@ struct FwdTileSm90 {
 // MLA heads (q / k 192, v 128; head_dim_v 0 means head_dim): V and O are hdim 128's, which leaves room for 128
 // keys a stage: Q 48 KB (O aliases it) + 2 x (K 48 + V 32) KB = 208 KB; S 64 + P 32 + O 64 registers. 144 keys
 // would need 228 KB.
-constexpr FwdTileSm90 fwd_tile_sm90(int head_dim, bool causal, int head_dim_v = 0) {
+// hdim 64 takes 192 query rows (three consumer warpgroups at 160 registers: S 64 + P 32 + O 32) where the
+// scores are plain (dense, unmasked but for the key end, no bias or dropout): with two warpgroups each step's
+// softmax is long beside its short GEMMs, and a third warpgroup's GEMMs fill the gap. The causal and window
+// kernels spilled 116 / 220 B at 160 registers; they keep 128 rows.
+constexpr FwdTileSm90 fwd_tile_sm90(int head_dim, bool causal, int head_dim_v = 0, bool plain = false) {
   return head_dim_v != 0 && head_dim_v < head_dim ? FwdTileSm90{128, 128, 2}
-         : head_dim <= 64  ? FwdTileSm90{128, 128, 2}
+         : head_dim <= 64  ? FwdTileSm90{plain && !causal ? 192 : 128, 128, 2}
          : head_dim <= 96  ? FwdTileSm90{128, 128, 2}
          : head_dim <= 128 ? FwdTileSm90{128, causal ? 128 : 176, 2}
          : head_dim <= 192 ? FwdTileSm90{128, 112, 2}

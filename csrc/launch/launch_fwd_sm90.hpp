@@ -12,8 +12,10 @@
 
 namespace flash4 {
 
-// The launches without a score bias: block-sparse, persistent (windows), softcap or plain.
-template <class Traits, bool kCausal, bool kLocal, class Iter>
+// The launches without a score bias: block-sparse, persistent (windows), softcap or plain. SoftcapTraits: the
+// softcap kernels' tile (128 rows where Traits has 192: with three warpgroups the softcap kernel spilled 20 B
+// in 160 registers).
+template <class Traits, bool kCausal, bool kLocal, class Iter, class SoftcapTraits = Traits>
 void run_fwd_sm90_unbiased(const FwdParams& p, cudaStream_t stream) {
   if constexpr (kIsSparse<Iter>) {
     if (p.softcap > 0.f) {
@@ -29,23 +31,25 @@ void run_fwd_sm90_unbiased(const FwdParams& p, cudaStream_t stream) {
   // 1.762 -> 1.713 ms, same run. Wider windows have tiles as unequal as causal
   // ones, which its static schedule does not balance (the whole causal triangle through it: 13% slower than
   // the causal kernel); packed batches and the other head dims were not measured with it.
-  if constexpr (kLocal && (Traits::kHeadDim == 64 || Traits::kHeadDim == 128)) {
-    const bool uniform_tiles = p.cu_seqlens_q == nullptr && p.seqused_q == nullptr && p.seqused_k == nullptr &&
-                               FwdKernelSm90<Traits, kCausal, kLocal, false>::tail_blocks(p) > 0;
-    if (uniform_tiles) {
-      if (p.softcap > 0.f) {
-        launch_sm90<FwdPersistentKernelSm90<Traits, kCausal, kLocal, true>>(p, stream,
-                                                                            "persistent forward launch (softcap)");
-      } else {
-        launch_sm90<FwdPersistentKernelSm90<Traits, kCausal, kLocal, false>>(p, stream, "persistent forward launch");
+  auto launch = [&](auto traits, auto softcap) {
+    using T = decltype(traits);
+    constexpr bool kSoftcap = decltype(softcap)::value;
+    if constexpr (kLocal && (T::kHeadDim == 64 || T::kHeadDim == 128)) {
+      const bool uniform_tiles = p.cu_seqlens_q == nullptr && p.seqused_q == nullptr && p.seqused_k == nullptr &&
+                                 FwdKernelSm90<T, kCausal, kLocal, kSoftcap>::tail_blocks(p) > 0;
+      if (uniform_tiles) {
+        launch_sm90<FwdPersistentKernelSm90<T, kCausal, kLocal, kSoftcap>>(
+            p, stream, kSoftcap ? "persistent forward launch (softcap)" : "persistent forward launch");
+        return;
       }
-      return;
     }
-  }
+    launch_sm90<FwdKernelSm90<T, kCausal, kLocal, kSoftcap>>(
+        p, stream, kSoftcap ? "forward kernel launch (softcap)" : "forward kernel launch");
+  };
   if (p.softcap > 0.f) {
-    launch_sm90<FwdKernelSm90<Traits, kCausal, kLocal, true>>(p, stream, "forward kernel launch (softcap)");
+    launch(SoftcapTraits{}, cute::true_type{});
   } else {
-    launch_sm90<FwdKernelSm90<Traits, kCausal, kLocal, false>>(p, stream, "forward kernel launch");
+    launch(Traits{}, cute::false_type{});
   }
 }
 
@@ -55,7 +59,8 @@ void run_fwd_sm90_16bit(const FwdParams& p, cudaStream_t stream) {
   // Windows mask on both sides: they take the causal tiles (smaller kBlockN, fewer registers for masks).
   // Block-sparse kernels too: their kBlockN must divide the mask's 128-key blocks (causal tiles: 128 up to
   // head dim 128, 64 at 256).
-  constexpr FwdTileSm90 tile = fwd_tile_sm90(kHeadDim, kCausal || kLocal || kIsSparse<Iter>, kHeadDimV);
+  constexpr bool kPlain = !kIsSparse<Iter> && !Bias::kEnabled && !Bias::kDrops;
+  constexpr FwdTileSm90 tile = fwd_tile_sm90(kHeadDim, kCausal || kLocal || kIsSparse<Iter>, kHeadDimV, kPlain);
   using Element = CutlassElement<kDType>;
   using Traits = FwdTraitsSm90<Element, kHeadDim, tile.block_m, tile.block_n, tile.stages, Element, kHeadDimV>;
   if constexpr (Bias::kEnabled) {
@@ -66,7 +71,8 @@ void run_fwd_sm90_16bit(const FwdParams& p, cudaStream_t stream) {
     // dropout pass has no softcap derivative).
     launch_sm90<FwdKernelSm90<Traits, kCausal, kLocal, false, Iter, Bias>>(p, stream, "forward launch (dropout)");
   } else {
-    run_fwd_sm90_unbiased<Traits, kCausal, kLocal, Iter>(p, stream);
+    using SoftcapTraits = FwdTraitsSm90<Element, kHeadDim, 128, tile.block_n, tile.stages, Element, kHeadDimV>;
+    run_fwd_sm90_unbiased<Traits, kCausal, kLocal, Iter, SoftcapTraits>(p, stream);
   }
 }
 

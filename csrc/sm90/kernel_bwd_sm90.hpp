@@ -35,6 +35,7 @@ struct BwdKernelSm90 {
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kHeadDim = Traits::kHeadDim;
   static constexpr int kNumThreads = Traits::kNumThreads;
+  static_assert(setmaxnreg_fits(kNumThreads, Traits::kProducerRegs, Traits::kConsumerRegs));
   static constexpr int kSmemBytes = Traits::kSmemBytes;
   static constexpr bool kMasked = kCausal || kLocal;
 

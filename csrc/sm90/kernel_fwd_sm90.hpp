@@ -31,6 +31,7 @@ struct FwdKernelSm90 {
   using Epilogue = EpilogueFwdSm90<Traits>;
   using SharedStorage = typename Traits::SharedStorage;
   static constexpr int kNumThreads = Traits::kNumThreads;
+  static_assert(setmaxnreg_fits(kNumThreads, Traits::kProducerRegs, Traits::kConsumerRegs));
   static constexpr int kSmemBytes = Traits::kSmemBytes;
 
   static constexpr bool kMasked = kCausal || kLocal;

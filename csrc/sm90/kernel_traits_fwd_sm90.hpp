@@ -47,13 +47,16 @@ struct FwdTraitsSm90 {
   static_assert(kBlockM % 64 == 0 && kHeadDim % 16 == 0 && kBlockN % (kFp8 ? 32 : 16) == 0);
 
   // One producer warpgroup (one thread of it issues every TMA) + one consumer warpgroup per 64 rows.
+  // Two consumer warpgroups (128 rows), or three (192 rows) at small head dims, where a 128-row tile leaves
+  // the tensor cores idle between one warpgroup's GEMMs and the next's (FwdBarrier's ping-pong goes round
+  // all of them).
   static constexpr int kNumMmaWarpGroups = kBlockM / 64;
-  static_assert(kNumMmaWarpGroups == 2, "ping-pong scheduling assumes two consumer warpgroups");
+  static_assert(kNumMmaWarpGroups == 2 || kNumMmaWarpGroups == 3, "ping-pong over two or three warpgroups");
   static constexpr int kNumMmaThreads = kNumMmaWarpGroups * 128;
   static constexpr int kNumThreads = kNumMmaThreads + 128;
-  // setmaxnreg budget: 128 * 24 + 256 * 240 = 64512 <= 65536 registers per SM.
-  static constexpr int kProducerRegs = 24;
-  static constexpr int kConsumerRegs = 240;
+  // setmaxnreg budget: 128 * 24 + 256 * 240 = 64512, 128 * 32 + 384 * 160 = 65536 <= 65536 registers per SM.
+  static constexpr int kProducerRegs = kNumMmaWarpGroups == 2 ? 24 : 32;
+  static constexpr int kConsumerRegs = kNumMmaWarpGroups == 2 ? 240 : 160;
 
   using TileShapeQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;  // S = Q K^T: (M, N, K=D)
   using TileShapePV = Shape<Int<kBlockM>, Int<kHeadDimV>, Int<kBlockN>>;  // O = P V:   (M, N=Dv, K=N)

@@ -6,8 +6,9 @@
 //   prologue:  S = Q K[n_max-1]^T, wait, mask, softmax -> P
 //   step(n):   issue S = Q K[n]^T ; issue O += P V[n+1] ; wait S ; mask?, softmax(S) -> P ; wait O
 //   tail:      issue O += P V[0] ; finalize row sums while it runs ; wait ; normalize
-// The softmax of block n runs on the CUDA cores while the tensor cores do P V of block n+1, and the two
-// warpgroups ping-pong their GEMM issues (named barriers) so one's softmax hides under the other's GEMMs.
+// The softmax of block n runs on the CUDA cores while the tensor cores do P V of block n+1, and the consumer
+// warpgroups (two, or three at hdim 64) take turns issuing their GEMMs (named barriers), so one's softmax
+// hides under the others' GEMMs.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -188,9 +189,11 @@ struct MainloopFwdSm90 : MainloopFwdLoadSm90<Traits, Iter, Bias> {
     // pmevent keeps the skip a branch (ptxas if-converted such branches on sm80). Head dims > 128 rescale
     // before the GEMM and keep the eager form (the lazy one spilled 24 B at hdim 256).
     [[maybe_unused]] bool rescale_o = false;
-    // Ping-pong: warpgroup 0 issues first. Its own arrival plus its own first sync complete barrier 0. Every
-    // call leaves barrier 0 with one warpgroup's arrival pending (warpgroup 1's after its last GEMM issue, or
-    // this one when there was no step), which stands in for this arrival in the next call.
+    // Ping-pong: warpgroup 0 issues first, then 1 (then 2), round and round: each step's issue waits for the
+    // previous warpgroup's arrival. Warpgroup 0's own arrival plus its own first sync complete barrier 0. Every
+    // call leaves barrier 0 with one warpgroup's arrival pending (the last warpgroup's after its last GEMM
+    // issue, or this one when there was no step), which stands in for this arrival in the next call.
+    const int next_warp_group = warp_group + 1 == Traits::kNumMmaWarpGroups ? 0 : warp_group + 1;
     if (warp_group == 0 && first_mma) named_barrier_arrive(2 * 128, int(FwdBarrier::kWarpGroup0));
 
     smem.barrier_q.wait(q_phase);
@@ -222,7 +225,7 @@ struct MainloopFwdSm90 : MainloopFwdLoadSm90<Traits, Iter, Bias> {
       if constexpr (kRescaleBeforeGemm) softmax.rescale(tOrO_rc, o_scale);
       pipeline_v.consumer_wait(read_v);
       gemm_pv(read_v.index());
-      named_barrier_arrive(2 * 128, int(FwdBarrier::kWarpGroup0) + (1 - warp_group));
+      named_barrier_arrive(2 * 128, int(FwdBarrier::kWarpGroup0) + next_warp_group);
       warpgroup_wait<1>();  // batches retire in order: S is ready, P V may still run
       warpgroup_fence_operand(tSrS);
       release(pipeline_k, read);

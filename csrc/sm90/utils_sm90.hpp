@@ -74,6 +74,14 @@ CUTE_DEVICE typename Pipeline::Params tma_pipeline_params(uint32_t transaction_b
   return params;
 }
 
+// setmaxnreg moves registers only within the CTA's launch allocation: each thread starts with the kernel's
+// register count (__launch_bounds__(threads, 1): 65536 / threads rounded down to 8, at most 255), and a
+// setmaxnreg.inc waits until the other warpgroups' releases cover it, forever if they never do.
+constexpr int launch_regs(int threads) { return 65536 / threads / 8 * 8 > 255 ? 255 : 65536 / threads / 8 * 8; }
+constexpr bool setmaxnreg_fits(int threads, int producer_regs, int consumer_regs) {
+  return producer_regs * 128 + consumer_regs * (threads - 128) <= launch_regs(threads) * threads;
+}
+
 // Named barriers (id 0 is __syncthreads). bar.sync waits for `threads` arrivals counting itself;
 // bar.arrive adds arrivals without waiting: that pair orders two warpgroups without stalling the
 // signalling one.
@@ -105,6 +113,7 @@ enum class FwdBarrier : int {
   kEpilogue = 1,  // all consumer threads: O tile complete in shared memory
   kWarpGroup0 = 2,  // ping-pong: consumer warpgroup 0 may issue its GEMMs
   kWarpGroup1 = 3,  // ping-pong: consumer warpgroup 1 may issue its GEMMs
+  kWarpGroup2 = 4,  // ping-pong: consumer warpgroup 2 (192-row tiles) may issue its GEMMs
 };
 
 enum class BwdBarrier : int {
