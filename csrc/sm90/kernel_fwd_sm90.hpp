@@ -1,8 +1,8 @@
 // sm90 forward kernel: one CTA per (query tile, head, batch). Warp roles:
 //   warpgroup 0        producer: one thread issues TMA loads (Q once, then K/V blocks two stages ahead);
 //                      the warpgroup gives its registers away with setmaxnreg.
-//   warpgroups 1 and 2 consumers: 64 query rows each; WGMMA for both GEMMs, softmax on the CUDA cores,
-//                      then the epilogue.
+//   warpgroups 1, 2 (3) consumers: 64 query rows each (three at hdim 64: 192-row tiles); WGMMA for both GEMMs,
+//                      softmax on the CUDA cores, then the epilogue.
 #pragma once
 
 #include <cute/tensor.hpp>
