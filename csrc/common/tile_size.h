@@ -3,7 +3,8 @@
 // with these values. docs/design.md, "Tile sizes", has the reasoning at length.
 //
 // sm90 forward: kBlockM = 128 rows of queries split over two consumer warpgroups (64 rows each: one
-// WGMMA M-atom; 192 over three at hdim 64, below), kBlockN keys per K/V stage. The constraints that pick kBlockN:
+// WGMMA M-atom; 192 over three at hdim 64, below), kBlockN keys per K/V stage. The constraints that pick
+// kBlockN:
 //   * shared memory: Q (and O, which aliases it) + kStages * (K + V) <= 227 KB;
 //   * registers: each consumer thread holds S (64 x kBlockN / 128 fp32), P (half that) and O
 //     (64 x head_dim / 128 fp32) within the 240 registers setmaxnreg gives it.
