@@ -93,8 +93,13 @@ struct BwdTileSm90 {
   bool wide;  // warpgroups split dK / dV along head_dim instead of along keys
 };
 
-constexpr BwdTileSm90 bwd_tile_sm90(int head_dim) {
-  return head_dim <= 128 ? BwdTileSm90{64, 128, 2, false} : BwdTileSm90{64, 64, 2, true};
+//   hdim 64: 128 queries a step (S^T and dP^T 64 registers each, dK + dV + dQ 96) halves the steps and their
+//     barriers; its dK GEMM retires within the step so that dS^T is dead when the next S^T / dP^T issue (224
+//     live registers otherwise: ptxas serialized the GEMMs). Dropout keeps 64 (120 B spill at 128).
+constexpr BwdTileSm90 bwd_tile_sm90(int head_dim, bool drops = false) {
+  return head_dim <= 64 && !drops ? BwdTileSm90{128, 128, 2, false}
+         : head_dim <= 128        ? BwdTileSm90{64, 128, 2, false}
+                                  : BwdTileSm90{64, 64, 2, true};
 }
 
 // sm80 backward (FlashAttention-2's algorithm, 8 warps, keys as the GEMM rows; BwdTraitsSm80), kStages Q / dO

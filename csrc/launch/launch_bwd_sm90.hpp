@@ -24,7 +24,7 @@ template <DType kDType, int kHeadDim, bool kCausal, bool kLocal, class Iter = De
 void run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   using Element = CutlassElement<kDType>;
   // Head dim <= 128: dK and dV split along keys across the warpgroups; above (wide): along head_dim.
-  constexpr BwdTileSm90 tile = bwd_tile_sm90(kHeadDim);
+  constexpr BwdTileSm90 tile = bwd_tile_sm90(kHeadDim, Bias::kDrops);
   static_assert(tile.wide || kHeadDimV == kHeadDim, "MLA head dims take the wide backward");
   using Traits =
       std::conditional_t<tile.wide,

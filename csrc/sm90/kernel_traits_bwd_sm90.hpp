@@ -1,8 +1,8 @@
 // Compile-time configuration of the sm90 backward kernel.
 //
 // One CTA owns kBlockN = 128 keys of one kv head (64 per consumer warpgroup: one WGMMA M-atom) and loops
-// over the query heads of its GQA group and over query blocks of kBlockM = 64 rows. Per query block each
-// consumer warpgroup computes, for its 64 keys k and the block's 64 queries q:
+// over the query heads of its GQA group and over query blocks of kBlockM = 64 rows (128 at head dim 64). Per
+// query block each consumer warpgroup computes, for its 64 keys k and the block's 64 queries q:
 //   S^T  = K_k Q_q^T            (SS)      P^T  = exp2(S^T * scale_log2 - lse_log2[q])
 //   dP^T = V_k dO_q^T           (SS)      dS^T = P^T * (dP^T - D[q])
 //   dV_k += P^T dO_q            (RS: P^T stays in registers, dO read through an MN-major view)
@@ -35,7 +35,8 @@ struct BwdTraitsSm90 {
   static constexpr int kBlockM = kBlockM_;  // queries per step
   static constexpr int kBlockN = kBlockN_;  // keys per CTA
   static constexpr int kStages = kStages_;
-  static_assert(kBlockN == 128 && kBlockM == 64, "64 keys per consumer warpgroup (one WGMMA M-atom), 64 queries");
+  static_assert(kBlockN == 128 && (kBlockM == 64 || kBlockM == 128),
+                "64 keys per consumer warpgroup (one WGMMA M-atom), 64 or 128 queries a step");
   // dK and dV accumulators (64 x head_dim fp32 each per warpgroup) must fit beside S^T, dP^T and dQ.
   static_assert(kHeadDim <= 128, "the sm90 backward handles head_dim <= 128 so far");
 

@@ -177,7 +177,9 @@ struct MainloopBwdSm90 : MainloopBwdLoadSm90<Traits_, kCausal, kLocal, Iter, Bia
         named_barrier_sync(Traits::kNumMmaThreads, int(BwdBarrier::kdS));
         warpgroup_gemm<true, 1>(mma_dq, tdQrdS(_, _, _, buf), opaque_descriptors(tdQrKt), tdQrdQ);  // dV retired
         warpgroup_fence_operand(tdVrdV);
-        warpgroup_gemm<false, 1>(mma_dkv, tdSrdS, tdKrQt(_, _, _, s), tdKrdK);  // dQ retired
+        // 128 queries a step (hdim 64): dK retires here, so the next step's S^T and dP^T (128 registers) do
+        // not share the register file with this step's dS^T operand.
+        warpgroup_gemm<false, kBlockM == 128 ? 0 : 1>(mma_dkv, tdSrdS, tdKrQt(_, _, _, s), tdKrdK);  // dQ retired
         warpgroup_fence_operand(tdQrdQ);
 
         epilogue.stage_dq(smem, tdQrdQ, warp_group, wg_thread);
