@@ -28,10 +28,10 @@ struct FwdTileSm90 {
 // hdim 64 takes 192 query rows (three consumer warpgroups at 160 registers: S 64 + P 32 + O 32) where the
 // scores are plain (dense, unmasked but for the key end, no bias or dropout): with two warpgroups each step's
 // softmax is long beside its short GEMMs, and a third warpgroup's GEMMs fill the gap. The causal and window
-// kernels spilled 116 / 220 B at 160 registers; they keep 128 rows.
+// kernels spilled 116 / 220 B at 160 registers with 128 keys a block; they take 96 (S 48 registers).
 constexpr FwdTileSm90 fwd_tile_sm90(int head_dim, bool causal, int head_dim_v = 0, bool plain = false) {
   return head_dim_v != 0 && head_dim_v < head_dim ? FwdTileSm90{128, 128, 2}
-         : head_dim <= 64  ? FwdTileSm90{plain && !causal ? 192 : 128, 128, 2}
+         : head_dim <= 64  ? (plain ? FwdTileSm90{192, causal ? 96 : 128, 2} : FwdTileSm90{128, 128, 2})
          : head_dim <= 96  ? FwdTileSm90{128, 128, 2}
          : head_dim <= 128 ? FwdTileSm90{128, causal ? 128 : 176, 2}
          : head_dim <= 192 ? FwdTileSm90{128, 112, 2}
