@@ -206,7 +206,8 @@ def build_kernels(archs: list[int], dtypes: list[str], hdims: list[int]):
     ks = generate_kernels.kernels(
         archs=archs, dtypes=dtypes, hdims=hdims, fams=kernel_families(archs), **opts
     )
-    return ks, generate_kernels.decode_kernels_for(ks) if decode else []
+    # fp8 caches: the decode kernels' e4m3-cache variants come with both options.
+    return ks, generate_kernels.decode_kernels_for(ks, kv8=opts["fp8"]) if decode else []
 
 
 def write_build_config(
@@ -240,6 +241,7 @@ def write_build_config(
         f"DROPOUT_HDIMS = {dropout_hdims if built else ()!r}\n"
         f"MLA_HDIMS = {mla_hdims if built else ()!r}\n"
         f"DECODE_HDIMS = {tuple(sorted({k.hdim for k in decode_kernels})) if built else ()!r}\n"
+        f"DECODE_KV8_HDIMS = {tuple(sorted({k.hdim for k in decode_kernels if k.kv8})) if built else ()!r}\n"
         f"TORCH_VERSION = {torch_version!r}\n"
         f"CUDA_VERSION = {cuda_version!r}\n"
     )

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Decode from a KV cache: flash_attn4 (contiguous and paged caches) beside cuDNN SDPA and FlashAttention-4
-(when importable), alternating implementations, several rounds; TB/s = bytes of K and V read once / time.
+"""Decode from a KV cache: flash_attn4 (contiguous and paged caches, and an e4m3 cache where its kernels are
+built) beside cuDNN SDPA and FlashAttention-4 (when importable), alternating implementations, several rounds;
+TB/s = bytes of K and V read once / time (an e4m3 cache's bytes for it).
 
 Writes benchmarks/results/<gpu>_decode.json (schema: shared records + seqlen_q, seqlen_k, nheads_q, nheads_kv,
 page_size, us, tbps) unless --no-save.
@@ -111,6 +112,15 @@ def impls(b, sk, hq, hk, d, pages):
 
     out["sdpa_cudnn"] = cudnn
     out["sdpa_flash"] = fa2
+    if d in flash_attn4._build_info.DECODE_KV8_HDIMS:  # an e4m3 cache of the same values, per-head scales
+        kd, vd = (k.abs().amax((1, 3)) / 448).float(), (v.abs().amax((1, 3)) / 448).float()
+        k8, v8 = (
+            (k / kd[:, None, :, None]).to(torch.float8_e4m3fn),
+            (v / vd[:, None, :, None]).to(torch.float8_e4m3fn),
+        )
+        out["flash_attn4_kv8"] = lambda: flash_attn4.attn_with_kvcache(
+            q, k8, v8, cache_seqlens=lens, k_descale=kd, v_descale=vd
+        )
     # HF's DynamicCache decoding: `attn` with one query token over the whole (contiguous) cache.
     out["flash_attn4_attn"] = lambda: flash_attn4.attn(q, k, v, causal=True)
     try:
@@ -138,6 +148,7 @@ def record(name, b, sk, hq, hk, d, **fields):
     ps = int(name.split("paged")[1]) if "paged" in name else 0
     impl = name.split("_paged")[0]
     return dict(impl=impl, hdim=d, seqlen=sk, causal=True, batch=b, nheads=hq, dtype="bf16",
+                kv_dtype="e4m3" if impl.endswith("kv8") else "bf16",
                 seqlen_q=1, seqlen_k=sk, nheads_q=hq, nheads_kv=hk, page_size=ps, **fields)  # fmt: skip
 
 
@@ -165,8 +176,9 @@ def bandwidth_rows(args, pages, clocks):
         for name, ts in samples.items():
             if ts:
                 us = min(ts)
-                records.append(record(name, b, sk, hq, hk, d, us=us, us_rounds=ts, tbps=nbytes / us / 1e6))
-                line += f"  {name} {nbytes / us / 1e6:.2f} TB/s"
+                nb = nbytes // 2 if name.endswith("kv8") else nbytes  # an e4m3 cache is half the bytes
+                records.append(record(name, b, sk, hq, hk, d, us=us, us_rounds=ts, tbps=nb / us / 1e6))
+                line += f"  {name} {nb / us / 1e6:.2f} TB/s ({us:.1f} us)"
         print(line, flush=True)
         del fns
         torch.cuda.empty_cache()

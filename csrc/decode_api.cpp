@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <climits>
 #include <string>
+#include <tuple>
 
 #include "binding_common.h"
 #include "common/decode_splits.h"
@@ -30,19 +31,23 @@ const int* check_int_vector(const OptTensor& t, int64_t numel, const at::Tensor&
 // Forward over a KV cache into out / lse; see flash_attn4/_ops_kvcache.py for the semantics. k_new / v_new
 // (batch, seqlen_new, nheads_kv, d) are first written into the cache at cache_seqlens (in place), rotated by
 // rotary_cos / rotary_sin when given (q too). num_splits: 0 = choose (decode_num_splits), else forced (<= 128).
-// Returns the number of splits used.
+// e4m3 caches (q and out 16-bit): k_descale / v_descale fp32 (batch, nheads_kv) or None (1); appended k / v
+// come in the caches' dtype; no rotary. Returns the number of splits used.
 int64_t decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, at::Tensor& out,
                at::Tensor& lse, const OptTensor& k_new, const OptTensor& v_new, const OptTensor& cache_seqlens,
                const OptTensor& page_table, const OptTensor& cache_batch_idx, const OptTensor& cache_leftpad,
                const OptTensor& rotary_cos, const OptTensor& rotary_sin, bool rotary_interleaved, double softmax_scale,
-               bool causal, int64_t window_left, int64_t window_right, double softcap, int64_t num_splits) {
+               bool causal, int64_t window_left, int64_t window_right, double softcap, int64_t num_splits,
+               const OptTensor& k_descale, const OptTensor& v_descale) {
   TORCH_CHECK(q.is_cuda() && k_cache.device() == q.device() && v_cache.device() == q.device() &&
                   out.device() == q.device() && lse.device() == q.device(),
               "flash_attn4: q, caches, out and lse must be on one CUDA device");
   const auto dtype = q.scalar_type();
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "flash_attn4: q must be bfloat16 or float16");
-  TORCH_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype && out.scalar_type() == dtype,
-              "flash_attn4: q, k_cache, v_cache and out must share one dtype");
+  const auto cache_dtype = k_cache.scalar_type();
+  const bool kv8 = cache_dtype == at::kFloat8_e4m3fn;
+  TORCH_CHECK((cache_dtype == dtype || kv8) && v_cache.scalar_type() == cache_dtype && out.scalar_type() == dtype,
+              "flash_attn4: q and out must share one dtype, and k_cache and v_cache q's or float8_e4m3fn");
   TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4,
               "flash_attn4: q and the caches must be 4-D");
   const int64_t batch = q.size(0), seqlen_q = q.size(1), nheads_q = q.size(2), d = q.size(3);
@@ -98,11 +103,12 @@ int64_t decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
   TORCH_CHECK(v_new.has_value() == append, "flash_attn4: pass both k and v to append, or neither");
   if (append) {
     TORCH_CHECK(p.cache_seqlens != nullptr, "flash_attn4: appending k / v needs cache_seqlens");
-    TORCH_CHECK(k_new->device() == q.device() && v_new->device() == q.device() && k_new->scalar_type() == dtype &&
-                    v_new->scalar_type() == dtype && k_new->dim() == 4 && k_new->sizes() == v_new->sizes() &&
+    TORCH_CHECK(k_new->device() == q.device() && v_new->device() == q.device() &&
+                    k_new->scalar_type() == cache_dtype && v_new->scalar_type() == cache_dtype &&
+                    k_new->dim() == 4 && k_new->sizes() == v_new->sizes() &&
                     k_new->size(0) == batch && k_new->size(2) == nheads_kv && k_new->size(3) == d &&
                     k_new->stride(-1) == 1 && v_new->stride(-1) == 1,
-                "flash_attn4: k and v must be (batch, seqlen_new, nheads_kv, head_dim) in q's dtype, last dim "
+                "flash_attn4: k and v must be (batch, seqlen_new, nheads_kv, head_dim) in the caches' dtype, last dim "
                 "contiguous; got " + str(k_new->sizes()));
     p.seqlen_new = int(k_new->size(1));
     a.k_new = k_new->data_ptr(), a.v_new = v_new->data_ptr();
@@ -111,6 +117,17 @@ int64_t decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
   }
   const bool rotary = rotary_cos.has_value();
   TORCH_CHECK(rotary_sin.has_value() == rotary, "flash_attn4: pass both rotary_cos and rotary_sin, or neither");
+  TORCH_CHECK(!(rotary && kv8), "flash_attn4: rotary with fp8 caches runs on the reference (Python routes it)");
+  for (const auto& [t, name, ptr] : {std::tuple{&k_descale, "k_descale", &p.k_descale},
+                                     std::tuple{&v_descale, "v_descale", &p.v_descale}}) {
+    if (!t->has_value()) continue;
+    TORCH_CHECK(kv8, std::string("flash_attn4: ") + name + " is for float8_e4m3fn caches");
+    TORCH_CHECK((*t)->device() == q.device() && (*t)->scalar_type() == at::kFloat && (*t)->is_contiguous() &&
+                    (*t)->dim() == 2 && (*t)->size(0) == batch && (*t)->size(1) == nheads_kv,
+                std::string("flash_attn4: ") + name + " must be a contiguous float32 (batch, nheads_kv) tensor on "
+                                                     "q's device");
+    *ptr = (*t)->data_ptr<float>();
+  }
   if (rotary) {
     TORCH_CHECK(rotary_cos->device() == q.device() && rotary_sin->device() == q.device() &&
                     rotary_cos->scalar_type() == dtype && rotary_sin->scalar_type() == dtype &&
@@ -151,9 +168,10 @@ int64_t decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
   p.num_sms = num_sms(q);
   p.smem_per_block = smem_per_block(q);
 
-  const flash4::DecodeKernelEntry* entry = flash4::find_decode_kernel(p.dtype, int(d), paged);
+  const flash4::DecodeKernelEntry* entry = flash4::find_decode_kernel(p.dtype, int(d), paged, kv8);
   TORCH_CHECK(entry != nullptr, "flash_attn4: no compiled decode kernel for head_dim " + str(d) +
-                                    "; rebuild with it in FLASH_ATTN4_HDIMS");
+                                    (kv8 ? " with fp8 caches" : "") +
+                                    "; rebuild with it in FLASH_ATTN4_HDIMS (fp8 caches: the fp8 option too)");
 
   TORCH_CHECK(seqlen_q * nheads_q < (int64_t(1) << 31), "flash_attn4: too many query rows for the decode kernel");
   const int m_blocks = decode_m_blocks(int(seqlen_q), int(nheads_q / nheads_kv));
@@ -161,7 +179,8 @@ int64_t decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
   const int n_blocks = (p.capacity + decode_tile(int(d)).block_n - 1) / decode_tile(int(d)).block_n;
   TORCH_CHECK(num_splits >= 0, "flash_attn4: num_splits must be >= 0 (0 = choose, 1 = no split)");
   const int ctas_int = int(std::min<int64_t>(ctas, INT_MAX));
-  p.num_splits = num_splits == 0 ? decode_num_splits(ctas_int, n_blocks, p.num_sms, paged)
+  const int per_sm = decode_ctas_per_sm(paged, kv8, decode_smem_bytes(int(d), paged, kv8), p.smem_per_block);
+  p.num_splits = num_splits == 0 ? decode_num_splits(ctas_int, n_blocks, p.num_sms, per_sm)
                                  : int(std::min<int64_t>({num_splits, kMaxDecodeSplits, std::max(n_blocks, 1)}));
   TORCH_CHECK(int64_t(m_blocks) * p.num_splits < (int64_t(1) << 31),
               "flash_attn4: too many query rows for the decode kernel");
@@ -193,7 +212,8 @@ void register_decode(pybind11::module_& m) {
         py::arg("v_new"), py::arg("cache_seqlens"), py::arg("page_table"), py::arg("cache_batch_idx"),
         py::arg("cache_leftpad"), py::arg("rotary_cos"), py::arg("rotary_sin"), py::arg("rotary_interleaved"),
         py::arg("softmax_scale"), py::arg("causal"), py::arg("window_left"), py::arg("window_right"),
-        py::arg("softcap"), py::arg("num_splits"));
+        py::arg("softcap"), py::arg("num_splits"), py::arg("k_descale") = py::none(),
+        py::arg("v_descale") = py::none());
 }
 
 }  // namespace flash4::binding

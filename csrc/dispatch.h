@@ -80,13 +80,14 @@ inline const BwdKernelEntry* find_bwd_kernel(int arch, DType dtype, int head_dim
 }
 
 // Decode (split-KV, KV caches): one family for every arch from sm80 on (decode/kernel_decode.hpp), per
-// (dtype, head dim, paged cache). `append` non-null: the append / rotary kernel runs first.
+// (dtype, head dim, paged cache, fp8 cache). `append` non-null: the append / rotary kernel runs first.
 using DecodeLauncher = void (*)(const DecodeParams&, const AppendParams*, cudaStream_t);
 
 struct DecodeKernelEntry {
   DType dtype;
   int head_dim;
   bool paged;
+  bool kv8;  // e4m3 caches (q and out `dtype`)
   DecodeLauncher launch;
   const char* name;
 };
@@ -94,10 +95,10 @@ struct DecodeKernelEntry {
 extern const DecodeKernelEntry kDecodeKernels[];
 extern const int kNumDecodeKernels;
 
-inline const DecodeKernelEntry* find_decode_kernel(DType dtype, int head_dim, bool paged) {
+inline const DecodeKernelEntry* find_decode_kernel(DType dtype, int head_dim, bool paged, bool kv8 = false) {
   for (int i = 0; i < kNumDecodeKernels; ++i) {
     const DecodeKernelEntry& e = kDecodeKernels[i];
-    if (e.dtype == dtype && e.head_dim == head_dim && e.paged == paged) return &e;
+    if (e.dtype == dtype && e.head_dim == head_dim && e.paged == paged && e.kv8 == kv8) return &e;
   }
   return nullptr;
 }
@@ -111,7 +112,7 @@ void run_fwd(const FwdParams& params, cudaStream_t stream);
 template <int Arch, DType kDType, int kHeadDim, bool kCausal, bool kLocal, class Iter = DenseBand,
           class Bias = NoBias, int kHeadDimV = kHeadDim>
 void run_bwd(const BwdParams& params, cudaStream_t stream);
-template <DType kDType, int kHeadDim, bool kPaged>
+template <DType kDType, int kHeadDim, bool kPaged, bool kKV8>
 void run_decode(const DecodeParams& params, const AppendParams* append, cudaStream_t stream);
 
 }  // namespace flash4

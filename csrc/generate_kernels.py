@@ -117,20 +117,22 @@ class Kernel:
 
 @dataclass(frozen=True)
 class DecodeKernel:
-    """The decode family (split-KV over a contiguous or paged cache): one per (dtype, head dim, cache kind),
-    compiled for every target of the build (it uses only sm80 instructions)."""
+    """The decode family (split-KV over a contiguous or paged cache): one per (dtype, head dim, cache kind,
+    cache dtype: q's or e4m3), compiled for every target of the build (it uses only sm80 instructions)."""
 
     dtype: str
     hdim: int
     paged: bool
+    kv8: bool = False
 
     @property
     def name(self) -> str:
-        return f"decode_{self.dtype}_hdim{self.hdim}_{'paged' if self.paged else 'contiguous'}"
+        kind = "paged" if self.paged else "contiguous"
+        return f"decode_{self.dtype}_hdim{self.hdim}_{kind}{'_kv8' if self.kv8 else ''}"
 
     @property
     def template_args(self) -> str:
-        return f"{_CPP_DTYPE[self.dtype]}, {self.hdim}, {str(self.paged).lower()}"
+        return f"{_CPP_DTYPE[self.dtype]}, {self.hdim}, {str(self.paged).lower()}, {str(self.kv8).lower()}"
 
     def source(self) -> str:
         return (
@@ -143,14 +145,17 @@ class DecodeKernel:
         )
 
 
-def decode_kernels(dtypes=DTYPES, hdims=HDIMS) -> list[DecodeKernel]:
+def decode_kernels(dtypes=DTYPES, hdims=HDIMS, kv8=True) -> list[DecodeKernel]:
+    """kv8: also the e4m3-cache kernels (built with the fp8 option)."""
     hs = [h for h in hdims if h in DECODE_HDIMS]
-    return [DecodeKernel(d, h, paged) for d, h, paged in itertools.product(dtypes, hs, (False, True))]
+    kinds = (False, True) if kv8 else (False,)
+    return [DecodeKernel(d, h, p, c) for d, h, p, c in itertools.product(dtypes, hs, (False, True), kinds)]
 
 
-def decode_kernels_for(ks: list[Kernel]) -> list[DecodeKernel]:
+def decode_kernels_for(ks: list[Kernel], kv8: bool = True) -> list[DecodeKernel]:
     """The decode kernels of the 16-bit dtypes and the head dims in `ks`."""
-    return decode_kernels(sorted({k.dtype for k in ks if k.dtype in DTYPES}), sorted({k.hdim for k in ks}))
+    dtypes, hdims = sorted({k.dtype for k in ks if k.dtype in DTYPES}), sorted({k.hdim for k in ks})
+    return decode_kernels(dtypes, hdims, kv8)
 
 
 def kernels(
@@ -245,7 +250,7 @@ def _decode_table(ds: list[DecodeKernel]) -> str:
         for k in ds
     )
     rows = "".join(f'    {{{k.template_args}, &run_decode<{k.template_args}>, "{k.name}"}},\n' for k in ds)
-    sentinel = '    {DType::kBF16, 0, false, nullptr, "none"},\n'
+    sentinel = '    {DType::kBF16, 0, false, false, nullptr, "none"},\n'
     return (
         decls
         + "\nconst DecodeKernelEntry kDecodeKernels[] = {\n"

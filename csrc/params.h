@@ -269,6 +269,11 @@ struct DecodeParams : SeqMaskParams {
 
   int batch = 0, seqlen_q = 0, nheads_q = 0, nheads_kv = 0, head_dim = 0;
   DType dtype = DType::kBF16;
+
+  // fp8 caches (e4m3, kv8 kernels): sequence b's key / value of kv head h is the cached value times
+  // k_descale / v_descale[b * nheads_kv + h] (null: 1); q and out keep `dtype`.
+  const float* k_descale = nullptr;
+  const float* v_descale = nullptr;
 };
 
 // The append kernel (decode/append_kv.hpp): new k, v (batch, seqlen_new, nheads_kv, head_dim) written into

@@ -3,7 +3,7 @@
 `setup.py` writes `flash_attn4/_build_config.py` (git-ignored) next to this file. It defines exactly
 `BUILT`, `REASON`, `ARCHS` (kernel families), `TARGETS` (the GPUs compiled for), `DTYPES`, `HDIMS`,
 `BLOCK_SPARSE_HDIMS`, `FP8_HDIMS`, `ALIBI_HDIMS`, `DROPOUT_HDIMS`, `MLA_HDIMS`, `DECODE_HDIMS`,
-`TORCH_VERSION` and `CUDA_VERSION`. When
+`DECODE_KV8_HDIMS`, `TORCH_VERSION` and `CUDA_VERSION`. When
 the file is missing (a source checkout that was never built, or an install without CUDA) every query answers
 "not built" and the Python package runs on the PyTorch reference alone.
 """
@@ -49,6 +49,8 @@ MLA_HDIMS: tuple[tuple[int, int], ...] = tuple(
 DECODE_HDIMS: tuple[int, ...] = tuple(
     sorted(int(h) for h in getattr(_cfg, "DECODE_HDIMS", [h for h in HDIMS if h in (64, 128, 256)]))
 )
+# Head dims whose decode kernels also read e4m3 caches (the decode and fp8 options).
+DECODE_KV8_HDIMS: tuple[int, ...] = tuple(sorted(int(h) for h in getattr(_cfg, "DECODE_KV8_HDIMS", ())))
 TORCH_VERSION: str = str(getattr(_cfg, "TORCH_VERSION", ""))
 CUDA_VERSION: str = str(getattr(_cfg, "CUDA_VERSION", ""))
 

@@ -8,8 +8,9 @@
 appends k / v into the caches in place (the op declares the mutation, so torch.compile and CUDA graphs see
 it) and attends. CUDA calls run the decode kernels (csrc/decode/: append + rotary, split-KV attention,
 combine), reading every length, page id and batch index on the device; others run
-`_reference_kvcache.attention_kvcache_ref`, and so do fp8 caches (k_descale / v_descale) for now: the decode
-kernels read 16-bit caches. Forward only (inference), like FlashAttention's.
+`_reference_kvcache.attention_kvcache_ref`. fp8 caches (e4m3, k_descale / v_descale) run on the kernels built
+with the decode and fp8 options, except with rotary (the reference). Forward only (inference), like
+FlashAttention's.
 
 `decode_into` is also how `attn` runs short query blocks (decoding with HF's DynamicCache calls `attn` with
 one query token): the dense k / v are then a full contiguous cache.
@@ -29,7 +30,6 @@ from flash_attn4._reference_kvcache import FP8_CACHE_DTYPES, attention_kvcache_r
 # `attn` takes the decode kernel when a KV head's packed query rows (seqlen_q x GQA group) fit this many
 # 16-row tiles: each tile re-reads K / V (from L2), so beyond a few the tiled forward kernels are faster.
 DECODE_MAX_ROWS = 64
-FP8_CACHE_REASON = "fp8 KV caches run on the PyTorch reference: the decode kernels read 16-bit caches only"
 
 
 def decode_available(q: Tensor) -> tuple[bool, str]:
@@ -43,6 +43,18 @@ def decode_available(q: Tensor) -> tuple[bool, str]:
         return False, (
             f"the decode kernel at head dim {q.shape[-1]} needs {_build_info.DECODE_WIDE_SMEM} bytes of "
             f"shared memory a block and {q.device} allows {_build_info.smem_per_block(q.device)}"
+        )
+    return True, ""
+
+
+def fp8_cache_decode_available(head_dim: int, rotary: bool) -> tuple[bool, str]:
+    """Whether the decode kernels read an e4m3 cache at this head dim (given that they serve q)."""
+    if rotary:
+        return False, "rotary with an fp8 KV cache runs on the PyTorch reference"
+    if head_dim not in _build_info.DECODE_KV8_HDIMS:
+        return False, (
+            f"no decode kernel for fp8 KV caches at head dim {head_dim} (built: "
+            f"{_build_info.DECODE_KV8_HDIMS}); rebuild with the fp8 option in FLASH_ATTN4_OPTIONS"
         )
     return True, ""
 
@@ -80,6 +92,8 @@ def decode_into(
     rotary_cos: Optional[Tensor] = None,
     rotary_sin: Optional[Tensor] = None,
     rotary_interleaved: bool = False,
+    k_descale: Optional[Tensor] = None,
+    v_descale: Optional[Tensor] = None,
 ) -> int:
     """Runs the decode kernels into out / lse; returns the split count used. The caches are used in place
     (they must already have 16-byte rows: the binding checks; `attn`'s k / v are copied when they do not)."""
@@ -107,6 +121,8 @@ def decode_into(
         int(window_right),
         float(softcap),
         int(num_splits),
+        k_descale,
+        v_descale,
     )
 
 
@@ -134,7 +150,9 @@ def fwd_kvcache_impl(
 ) -> tuple[Tensor, Tensor]:
     """Inputs are validated by `kvcache.attn_with_kvcache`."""
     b, sq, hq, d = q.shape
-    ok, why = (False, FP8_CACHE_REASON) if k_cache.dtype in FP8_CACHE_DTYPES else decode_available(q)
+    ok, why = decode_available(q)
+    if ok and k_cache.dtype in FP8_CACHE_DTYPES:
+        ok, why = fp8_cache_decode_available(d, rotary_cos is not None)
     capacity = page_table.shape[1] * k_cache.shape[1] if page_table is not None else k_cache.shape[1]
     if ok and q.numel() > 0 and capacity > 0:
         out = q.new_empty(b, sq, hq, d)
@@ -160,6 +178,8 @@ def fwd_kvcache_impl(
             rotary_cos=rotary_cos,
             rotary_sin=rotary_sin,
             rotary_interleaved=rotary_interleaved,
+            k_descale=k_descale,
+            v_descale=v_descale,
         )
         return out, lse
     if why and q.is_cuda:

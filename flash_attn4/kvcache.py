@@ -146,8 +146,8 @@ def attn_with_kvcache(
         k_descale, v_descale: fp8 caches (`torch.float8_e4m3fn` k_cache and v_cache, q 16-bit): fp32
             (batch, nheads_kv) scales, sequence b's key (value) of kv head h being k_cache's value times
             k_descale[b, h]; None means 1. New k / v are appended as they are, so they come quantized with the
-            same scales (`flash_attn4.quantize_fp8`), in the caches' dtype. Such caches run on the PyTorch
-            reference for now (a warning on CUDA says so).
+            same scales (`flash_attn4.quantize_fp8`), in the caches' dtype. The decode kernels read such
+            caches where built (the decode and fp8 options); with rotary they run on the PyTorch reference.
 
     Lengths, page ids and batch indices are read on the device (no host synchronisation: the call can be
     captured in a CUDA graph and replayed with new values). Values that lie never fault: lengths are clamped

@@ -299,7 +299,7 @@ class FakeExt:
 
     def decode(self, q, k_cache, v_cache, out, lse, k_new, v_new, cache_seqlens, page_table, cache_batch_idx,
                cache_leftpad, rotary_cos, rotary_sin, rotary_interleaved, softmax_scale, causal, window_left,
-               window_right, softcap, num_splits):  # fmt: skip
+               window_right, softcap, num_splits, k_descale=None, v_descale=None):  # fmt: skip
         """Short query blocks: `attn`'s (k / v a full contiguous cache) and `attn_varlen`'s (one packed cache
         row, sequences located by cache_seqlens / cache_leftpad / cache_batch_idx); nothing appended or
         rotated."""
@@ -311,6 +311,8 @@ class FakeExt:
             and page_table is None
             and rotary_cos is None
             and rotary_sin is None
+            and k_descale is None
+            and v_descale is None
         )
         assert q.shape[-1] in _build_info.HDIMS and out.shape == q.shape and out.is_contiguous()
         b, sq, hq, d = q.shape

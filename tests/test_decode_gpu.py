@@ -263,24 +263,50 @@ def test_merge_attn_states_matches_whole():
     assert (l_ - ref_l).abs().max().item() < 1e-3
 
 
-def test_fp8_cache_takes_the_reference_on_cuda():
-    """fp8 caches have no decode kernel yet: the CUDA call must run the reference (and say so once) and agree
-    with the same call on the CPU."""
-    from flash_attn4 import _ops
+FP8_CASES = [
+    # b, sq, hq, hk, cap, page, causal, softcap, splits
+    (1, 1, 32, 8, 4099, 0, True, 0.0, 0),
+    (3, 4, 16, 2, 777, 0, True, 0.0, 3),
+    (2, 1, 8, 1, 513, 0, False, 30.0, 0),
+    (2, 1, 32, 8, 2048, 16, True, 0.0, 0),
+    (3, 2, 8, 2, 999, 1, True, 0.0, 4),
+]
 
-    fp8 = torch.float8_e4m3fn
-    g = torch.Generator(device=DEVICE).manual_seed(0)
-    b, cap, hk, hq = 2, 96, 2, 8
-    k = torch.randn(b, cap, hk, HDIM, device=DEVICE, generator=g)
-    v = torch.randn(b, cap, hk, HDIM, device=DEVICE, generator=g)
-    kd, vd = (k.abs().amax((1, 3)) / 448).float(), (v.abs().amax((1, 3)) / 448).float()
-    kc, vc = (k / kd[:, None, :, None]).to(fp8), (v / vd[:, None, :, None]).to(fp8)
-    q = torch.randn(b, 1, hq, HDIM, device=DEVICE, dtype=torch.bfloat16, generator=g)
-    lens = torch.tensor([96, 41], dtype=torch.int32, device=DEVICE)
-    _ops._warned.discard(_ops_kvcache.FP8_CACHE_REASON)
-    with pytest.warns(_ops.ReferenceFallbackWarning, match="fp8 KV caches"):
-        out = flash_attn4.attn_with_kvcache(q, kc, vc, cache_seqlens=lens, k_descale=kd, v_descale=vd)
-    cpu = flash_attn4.attn_with_kvcache(
-        q.cpu(), kc.cpu(), vc.cpu(), cache_seqlens=lens.cpu(), k_descale=kd.cpu(), v_descale=vd.cpu()
+
+@pytest.mark.skipif(HDIM not in _build_info.DECODE_KV8_HDIMS, reason="no fp8-cache decode kernel built")
+@pytest.mark.parametrize("b,sq,hq,hk,cap,page,causal,softcap,splits", FP8_CASES)
+@pytest.mark.parametrize("append", [False, True])
+def test_fp8_cache_matches_reference(b, sq, hq, hk, cap, page, causal, softcap, splits, append):
+    """e4m3 caches with per-(sequence, kv head) scales: the kernel against the reference over the dequantized
+    cache (fp32), appended rows byte for byte."""
+    fp8, d = torch.float8_e4m3fn, HDIM
+    kc, vc, pt = _make_cache(b, cap, hk, d, page, dtype=torch.float32)
+    # Scales large enough that every quantized value stays inside e4m3's range (|x| <= 448; past it the cast
+    # gives NaN): |randn| < 6 over the smallest scale 0.02 is at most 300.
+    kd = torch.rand(b, hk, device=DEVICE) * 0.02 + 0.02
+    vd = torch.rand(b, hk, device=DEVICE) * 0.02 + 0.02
+    rows = pt if pt is not None else torch.arange(b, device=DEVICE)[:, None]
+    # Quantize with sequence b's scales (each page belongs to one sequence; spare pages take sequence 0's).
+    owner = torch.zeros(kc.shape[0], dtype=torch.long, device=DEVICE)
+    owner[rows.long().flatten()] = torch.arange(b, device=DEVICE).repeat_interleave(rows.shape[1])
+    kc8 = (kc / kd[owner][:, None, :, None]).to(fp8)
+    vc8 = (vc / vd[owner][:, None, :, None]).to(fp8)
+    q = torch.randn(b, sq, hq, d, device=DEVICE, dtype=torch.bfloat16)
+    sn = sq if append else 0
+    k = (torch.randn(b, sn, hk, d, device=DEVICE) / kd[:, None, :, None]).to(fp8) if append else None
+    v = (torch.randn(b, sn, hk, d, device=DEVICE) / vd[:, None, :, None]).to(fp8) if append else None
+    seqlens = torch.randint(0, cap - sn + 1, (b,), device=DEVICE, dtype=torch.int32)
+    seqlens[0] = cap - sn
+    kw = dict(
+        cache_seqlens=seqlens, page_table=pt, causal=causal, softcap=softcap, k_descale=kd, v_descale=vd
     )
-    torch.testing.assert_close(out.cpu().float(), cpu.float(), atol=2e-2, rtol=2e-2)
+    kc_ref, vc_ref = kc8.clone(), vc8.clone()
+    out, lse = flash_attn4.attn_with_kvcache(q, kc8, vc8, k, v, num_splits=splits, return_lse=True, **kw)
+    ref_out, ref_lse = attention_kvcache_ref(q, kc_ref, vc_ref, k, v, **kw)
+    assert torch.equal(kc8.view(torch.uint8), kc_ref.view(torch.uint8)), "appended cache differs"
+    assert torch.equal(vc8.view(torch.uint8), vc_ref.view(torch.uint8)), "appended cache differs"
+    # torch's own bf16 error: the same call over the dequantized caches rounded to bf16, attention in bf16.
+    deq = [(c.float() * s[owner][:, None, :, None]).bfloat16() for c, s in ((kc_ref, kd), (vc_ref, vd))]
+    lp_out, _ = _lp(q, *deq, None, None, dict(cache_seqlens=seqlens + sn, page_table=pt, causal=causal,
+                                              softcap=softcap), (-1, -1))  # fmt: skip
+    _check(out, lse, ref_out, ref_lse, lp_out)

@@ -274,7 +274,8 @@ def test_options_pick_the_optional_kernel_sets(setup_module, monkeypatch):
     build generates; the plain kernels of every built head dim and mask stay; a typo fails the build."""
     monkeypatch.delenv("FLASH_ATTN4_OPTIONS", raising=False)
     ks, ds = setup_module.build_kernels([90], ["bf16"], [128])
-    assert len(ks) == 27 and len(ds) == 2  # plain, sparse, ALiBi, dropout (6 each), fp8 (3); decode (2)
+    # plain, sparse, ALiBi, dropout (6 each), fp8 (3); decode: contiguous, paged, each also for e4m3 caches
+    assert len(ks) == 27 and len(ds) == 4 and sum(d.kv8 for d in ds) == 2
     monkeypatch.setenv("FLASH_ATTN4_OPTIONS", "dropout")
     ks, ds = setup_module.build_kernels([90], ["bf16"], [128])
     assert len(ks) == 12 and not ds and sum(k.dropout for k in ks) == 6
@@ -285,6 +286,7 @@ def test_options_pick_the_optional_kernel_sets(setup_module, monkeypatch):
     monkeypatch.setenv("FLASH_ATTN4_OPTIONS", "mla,decode")
     ks, ds = setup_module.build_kernels([90], ["bf16"], [128, 192])
     assert sum(1 for k in ks if k.hdim_v) == 6 and {d.hdim for d in ds} == {128}  # contiguous, paged
+    assert not [d for d in ds if d.kv8]  # e4m3 caches come with the fp8 option
     for bad in ("dropuot", "none,mla", ","):
         monkeypatch.setenv("FLASH_ATTN4_OPTIONS", bad)
         with pytest.raises(SystemExit, match="FLASH_ATTN4_OPTIONS"):

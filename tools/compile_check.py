@@ -69,7 +69,8 @@ def main() -> int:
     ap.add_argument("--mask", choices=("none", "causal", "local"), default="none")
     ap.add_argument(
         "--only",
-        help="comma-separated subset of fwd90,bwd90,fwd80,bwd80,decode,decode_paged and the block-sparse "
+        help="comma-separated subset of fwd90,bwd90,fwd80,bwd80,decode,decode_paged (decode_kv8, "
+        "decode_paged_kv8: e4m3 caches) and the block-sparse "
         "fwd90sparse,bwd90sparse,fwd80sparse,bwd80sparse, ALiBi fwd90alibi,bwd90alibi, dropout "
         "fwd90dropout,bwd90dropout and fwd90mla,bwd90mla (the MLA_HDIMS pair whose q / k head dim is --hdim) "
         "(default: all but the block-sparse, ALiBi, dropout and MLA ones)",
@@ -135,11 +136,11 @@ def main() -> int:
         ]
         + [
             (
-                generate_kernels.DecodeKernel(args.dtype, args.hdim, name == "decode_paged"),
+                generate_kernels.DecodeKernel(args.dtype, args.hdim, "paged" in name, name.endswith("kv8")),
                 args.target,
                 ("decode", 80),
             )
-            for name in ("decode", "decode_paged")
+            for name in ("decode", "decode_paged", "decode_kv8", "decode_paged_kv8")
             if name in wanted
         ]
     )

@@ -136,17 +136,34 @@ constexpr BwdTileSm80 bwd_tile_sm80(int head_dim, bool small_smem = false) {
 // (kBlockN / 4 per warp, a multiple of 16), kStages cp.async buffers of K + V. Sized so two CTAs fit an SM
 // (K + V + Q <= ~110 KB) up to hdim 128, keeping 4-6 tiles of loads in flight per SM; hdim 256 keeps two
 // stages (128 KB, one CTA, within the A100's 164 KB). `small_smem` (99 KB a CTA): two stages up to hdim 128
-// (66-68 KB; three are 98-100 KB with Q, over the limit once a paged cache's page ring is added). Hdim 256 has no such row: two 64-key stages are 128 KB and the kernel needs
-// both; the launcher says so and the caller runs the forward kernels or the reference.
+// (66-68 KB; three are 98-100 KB with Q, over the limit once a paged cache's page ring is added). Hdim 256
+// has no such row: two 64-key stages are 128 KB and the kernel needs both; the launcher says so and the
+// caller runs the forward kernels or the reference.
+//
+// fp8 caches (`kv8`) stage half the bytes a tile, next to one 16-bit K and V tile they are widened into. A
+// tile's latency through a CTA, not the bytes in flight, bounds them (on H100 three or four stages read no
+// faster than two), so they keep two stages up to hdim 128: 66-68 KB, three CTAs an SM (decode_splits.h).
+// The key block is the 16-bit kernel's: the host's split count assumes it.
 struct DecodeTile {
   int block_n;
   int stages;
 };
 
-constexpr DecodeTile decode_tile(int head_dim, bool small_smem = false) {
-  return head_dim <= 64    ? DecodeTile{128, small_smem ? 2 : 3}
-         : head_dim <= 128 ? DecodeTile{64, small_smem ? 2 : 3}
+constexpr DecodeTile decode_tile(int head_dim, bool small_smem = false, bool kv8 = false) {
+  return head_dim <= 64    ? DecodeTile{128, small_smem || kv8 ? 2 : 3}
+         : head_dim <= 128 ? DecodeTile{64, small_smem || kv8 ? 2 : 3}
                            : DecodeTile{64, 2};
+}
+
+// One decode CTA's shared memory (16-bit q; the kernel static_asserts it): the main loop's Q, K and V tiles
+// (fp8: the 16-bit pair and the fp8 stages), or the epilogue's per-warp merge scratch where larger; a paged
+// cache's 4 KB page ring past either.
+constexpr int decode_smem_bytes(int head_dim, bool paged, bool kv8, bool small_smem = false) {
+  const DecodeTile t = decode_tile(head_dim, small_smem, kv8);
+  const int q = 2 * 16 * head_dim, tile = t.block_n * head_dim;
+  const int main = q + (kv8 ? 2 * 2 * tile + 2 * t.stages * tile : 2 * t.stages * 2 * tile);
+  const int epilogue = q + 4 * (4 * 16 * head_dim + 2 * 4 * 16);
+  return (main > epilogue ? main : epilogue) + (paged ? 4096 : 0);
 }
 
 }  // namespace flash4

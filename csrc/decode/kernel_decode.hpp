@@ -8,12 +8,18 @@
 // and the four (max, sum, O) states merge through shared memory at the end, as the splits merge in the
 // combine kernel. Tiles stream through kStages cp.async buffers; rows outside the sequence's keys (and rows
 // of pages outside the pool) are zero-filled, never read, and masked.
+//
+// fp8 caches (ElementKV e4m3, q 16-bit): the cp.async stages hold the tiles' bytes as they are (half the
+// HBM traffic, which is what bounds decoding); each thread widens the rows it loaded into one 16-bit K and V
+// tile (e4m3 values are exact in bf16 and fp16), which the warps then read as above. The scales fold into the
+// score scale (k_descale, the same for the whole CTA's KV head) and into the output (v_descale).
 #pragma once
 
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_conversion.h>
 
 #include <cmath>
+#include <type_traits>
 
 #include "../common/decode_splits.h"
 #include "../common/mask.hpp"
@@ -27,9 +33,12 @@ namespace flash4 {
 
 using namespace cute;
 
-template <class Element_, int kHeadDim_, int kBlockN_, int kStages_>
+template <class Element_, int kHeadDim_, int kBlockN_, int kStages_, class ElementKV_ = Element_>
 struct DecodeTraits {
   using Element = Element_;
+  using ElementKV = ElementKV_;  // the caches'
+  static constexpr bool kKV8 = sizeof(ElementKV) == 1;
+  static_assert(kKV8 || std::is_same_v<Element, ElementKV>);
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
@@ -52,10 +61,13 @@ struct DecodeTraits {
 
   static constexpr int kElemsQ = cosize_v<SmemLayoutQ>;
   static constexpr int kElemsKV = cosize_v<SmemLayoutKV>;
-  static constexpr int kVecs = kHeadDim / 8;  // 16-byte vectors per row
-  // Main loop: Q + kStages x (K + V). Epilogue (aliasing the K / V buffers): each warp's fp32 output and
-  // its per-row (max, sum).
-  static constexpr int kMainBytes = int(sizeof(Element)) * (kElemsQ + 2 * kStages * kElemsKV);
+  static constexpr int kVecs = kHeadDim / 8;  // 16-byte vectors per 16-bit row
+  static constexpr int kLoadVecs = kHeadDim * int(sizeof(ElementKV)) / 16;  // per cache row
+  // Main loop: Q + kStages x (K + V); fp8: Q + one 16-bit K and V + kStages x (K + V) fp8 stages (row-major
+  // bytes). Epilogue (aliasing the K / V buffers): each warp's fp32 output and its per-row (max, sum).
+  static constexpr int kStageBytes = kBlockN * kHeadDim * int(sizeof(ElementKV));
+  static constexpr int kMainBytes = kKV8 ? int(sizeof(Element)) * (kElemsQ + 2 * kElemsKV) + 2 * kStages * kStageBytes
+                                         : int(sizeof(Element)) * (kElemsQ + 2 * kStages * kElemsKV);
   static constexpr int kMergeFloats = kWarps * kBlockM * kHeadDim;
   static constexpr int kEpilogueBytes =
       int(sizeof(Element)) * kElemsQ + 4 * (kMergeFloats + 2 * kWarps * kBlockM);
@@ -72,6 +84,8 @@ template <class Traits_, class KVSource>
 struct DecodeKernel {
   using Traits = Traits_;
   using Element = typename Traits::Element;
+  using ElementKV = typename Traits::ElementKV;
+  static constexpr bool kKV8 = Traits::kKV8;
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kHeadDim = Traits::kHeadDim;
@@ -79,6 +93,7 @@ struct DecodeKernel {
   static constexpr int kWarps = Traits::kWarps;
   static constexpr int kWarpN = Traits::kWarpN;
   static constexpr int kVecs = Traits::kVecs;
+  static constexpr int kLoadVecs = Traits::kLoadVecs;
   static constexpr int kNumThreads = Traits::kNumThreads;
   // Paged caches add the page-id ring past the K / V buffers (and past the epilogue's merge scratch).
   static constexpr int kSmemBytes = Traits::kSmemBytes + (KVSource::kPaged ? 4 * PageRing::kSize : 0);
@@ -124,8 +139,12 @@ struct DecodeKernel {
 
     Element* smem = reinterpret_cast<Element*>(smem_buf);
     Tensor sQ = make_tensor(make_smem_ptr(smem), typename Traits::SmemLayoutQ{});
+    // The 16-bit K / V tiles: kStages of each, or (fp8) one, after which come the fp8 stages.
+    constexpr int kTiles = kKV8 ? 1 : kStages;
     Tensor sK = make_tensor(sQ.data() + int(Traits::kElemsQ), typename Traits::SmemLayoutKV{});
-    Tensor sV = make_tensor(sK.data() + int(kStages * Traits::kElemsKV), typename Traits::SmemLayoutKV{});
+    Tensor sV = make_tensor(sK.data() + int(kTiles * Traits::kElemsKV), typename Traits::SmemLayoutKV{});
+    uint8_t* stage_k = reinterpret_cast<uint8_t*>(smem + int(Traits::kElemsQ) + 2 * kTiles * int(Traits::kElemsKV));
+    uint8_t* stage_v = stage_k + kStages * Traits::kStageBytes;
     float* merge_o = reinterpret_cast<float*>(smem + int(Traits::kElemsQ));  // epilogue only
     float* merge_stat = merge_o + int(Traits::kMergeFloats);                  // (max offset, sum) per warp and row
 
@@ -135,7 +154,12 @@ struct DecodeKernel {
     clear(tOrO);
     Tensor tOrO_rc = make_tensor(tOrO.data(), sm80_acc_rowcol_layout(tOrO.layout()));
     constexpr int kRows = decltype(size<0>(tOrO_rc))::value;  // 2: rows lane / 4 and lane / 4 + 8
-    OnlineSoftmax<kRows> softmax(p.score_scale_log2());
+    // fp8 caches: the KV head's scales (1 without), k_descale into the score scale (under softcap, into the
+    // scale inside tanh), v_descale into the output.
+    const int64_t scale_index = int64_t(b) * p.nheads_kv + hk;
+    const float k_descale = kKV8 && p.k_descale != nullptr ? p.k_descale[scale_index] : 1.f;
+    const float v_descale = kKV8 && p.v_descale != nullptr ? p.v_descale[scale_index] : 1.f;
+    OnlineSoftmax<kRows> softmax(p.score_scale_log2() * (p.softcap > 0.f ? 1.f : k_descale));
 
     if (n_end > n_begin) {
       const Element* q = static_cast<const Element*>(p.q) + int64_t(b) * p.q_batch_stride;
@@ -147,13 +171,14 @@ struct DecodeKernel {
         cp_async_16_zfill(&sQ(r, c), src, rc.token >= 0);
       }
       const int slab = KVSource::slab_of(p, b);
-      const Element* kbase = static_cast<const Element*>(p.k) + hk * p.k_head_stride;
-      const Element* vbase = static_cast<const Element*>(p.v) + hk * p.v_head_stride;
-      // A thread loads rows r0 + it * kRowStep of every tile.
-      constexpr int kIters = (kBlockN * kVecs + kNumThreads - 1) / kNumThreads;
-      constexpr int kRowStep = kNumThreads / kVecs;
-      static_assert(kNumThreads % kVecs == 0 && kBlockN * kVecs % kNumThreads == 0);
-      const int r0 = tid / kVecs, c0 = (tid % kVecs) * 8;
+      const ElementKV* kbase = static_cast<const ElementKV*>(p.k) + hk * p.k_head_stride;
+      const ElementKV* vbase = static_cast<const ElementKV*>(p.v) + hk * p.v_head_stride;
+      // A thread loads 16-byte pieces (8 or, fp8, 16 values) of rows r0 + it * kRowStep of every tile.
+      constexpr int kIters = (kBlockN * kLoadVecs + kNumThreads - 1) / kNumThreads;
+      constexpr int kRowStep = kNumThreads / kLoadVecs;
+      static_assert(kNumThreads % kLoadVecs == 0 && kBlockN * kLoadVecs % kNumThreads == 0);
+      constexpr int kPiece = 16 / int(sizeof(ElementKV));
+      const int r0 = tid / kLoadVecs, c0 = (tid % kLoadVecs) * kPiece;
       PageRing ring(reinterpret_cast<int*>(smem_buf + Traits::kSmemBytes), p, b, n_begin * kBlockN);
       auto load_kv = [&](int n, int stage) {
         if constexpr (KVSource::kPaged) ring.refill(p, n * kBlockN);
@@ -167,10 +192,36 @@ struct DecodeKernel {
             kr = KVSource::locate(p, slab, b, key);
           }
           const bool valid = kr.valid && key >= seq.key_begin && key < seq.key_end;
-          const Element* ks = kbase + int64_t(kr.slab) * p.k_batch_stride + int64_t(kr.row) * p.k_row_stride + c0;
-          const Element* vs = vbase + int64_t(kr.slab) * p.v_batch_stride + int64_t(kr.row) * p.v_row_stride + c0;
-          cp_async_16_zfill(&sK(r, c0) + stage * int(Traits::kElemsKV), valid ? ks : kbase, valid);
-          cp_async_16_zfill(&sV(r, c0) + stage * int(Traits::kElemsKV), valid ? vs : vbase, valid);
+          const ElementKV* ks = kbase + int64_t(kr.slab) * p.k_batch_stride + int64_t(kr.row) * p.k_row_stride + c0;
+          const ElementKV* vs = vbase + int64_t(kr.slab) * p.v_batch_stride + int64_t(kr.row) * p.v_row_stride + c0;
+          if constexpr (kKV8) {
+            const int at = stage * Traits::kStageBytes + r * kHeadDim + c0;
+            cp_async_16_zfill(stage_k + at, valid ? ks : kbase, valid);
+            cp_async_16_zfill(stage_v + at, valid ? vs : vbase, valid);
+          } else {
+            cp_async_16_zfill(&sK(r, c0) + stage * int(Traits::kElemsKV), valid ? ks : kbase, valid);
+            cp_async_16_zfill(&sV(r, c0) + stage * int(Traits::kElemsKV), valid ? vs : vbase, valid);
+          }
+        }
+      };
+      // fp8: the pieces this thread loaded of stage `stage`, widened into the 16-bit K and V tiles (only its own
+      // pieces: its cp.async wait covers them, and it alone loads there again).
+      auto widen = [&](int stage) {
+        if constexpr (kKV8) {
+          cutlass::NumericArrayConverter<Element, ElementKV, 16> convert;
+          // Two 8-value vectors of the swizzled 16-bit tile (each contiguous, not necessarily adjacent).
+          auto put = [&](const uint8_t* src, auto& tile, int r) {
+            const auto wide = convert(*reinterpret_cast<const cutlass::Array<ElementKV, 16>*>(src));
+            *reinterpret_cast<uint4*>(&tile(r, c0)) = reinterpret_cast<const uint4*>(&wide)[0];
+            *reinterpret_cast<uint4*>(&tile(r, c0 + 8)) = reinterpret_cast<const uint4*>(&wide)[1];
+          };
+          // Not unrolled: beside head dim 256's 128 output registers, unrolled copies spilled 160 B.
+#pragma unroll 1
+          for (int it = 0; it < kIters; ++it) {
+            const int r = r0 + it * kRowStep, at = stage * Traits::kStageBytes + r * kHeadDim + c0;
+            put(stage_k + at, sK, r);
+            put(stage_v + at, sV, r);
+          }
         }
       };
       if constexpr (KVSource::kPaged) {
@@ -218,8 +269,10 @@ struct DecodeKernel {
       Tensor tSrQ_v = thr_q.retile_D(tSrQ);
       Tensor tSrK_v = thr_k.retile_D(tSrK);
       Tensor tOrVt_v = thr_v.retile_D(tOrVt);
-      auto in_stage = [](auto const& t, int s) { return make_tensor(t.data() + s * int(Traits::kElemsKV), t.layout()); };
-      const float softcap_scale = p.softcap_scale();
+      auto in_stage = [](auto const& t, int s) {
+        return make_tensor(t.data() + (kKV8 ? 0 : s) * int(Traits::kElemsKV), t.layout());
+      };
+      const float softcap_scale = p.softcap_scale() * k_descale;
 
 #pragma unroll 1
       for (int i = 0; i < n_end - n_begin; ++i) {
@@ -228,6 +281,10 @@ struct DecodeKernel {
         __syncthreads();  // tile i (and Q) visible to all; every warp is done with tile i - 1's buffers
         if (n + kStages - 1 < n_end) load_kv(n + kStages - 1, (i + kStages - 1) % kStages);
         cp_async_fence();
+        if constexpr (kKV8) {
+          widen(stage);
+          __syncthreads();  // the 16-bit tile i visible to all
+        }
         if (i == 0) copy(copy_q, tSsQ, tSrQ_v);
 
         Tensor tSrS = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kWarpN>>{});
@@ -306,7 +363,7 @@ struct DecodeKernel {
           acc[0] += f * o4.x, acc[1] += f * o4.y, acc[2] += f * o4.z, acc[3] += f * o4.w;
         }
       }
-      const float inv = total > 0.f ? 1.f / total : 0.f;
+      const float inv = total > 0.f ? v_descale / total : 0.f;
       const float lse = total > 0.f ? (m_max + log2f(total)) * float(M_LN2) : -INFINITY;
       const int64_t lse_index = (int64_t(b) * p.nheads_q + rc.head) * p.seqlen_q + rc.token;
       if (partial) {

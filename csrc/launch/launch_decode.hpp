@@ -43,20 +43,25 @@ __global__ void __launch_bounds__(Append::kNumThreads) append_kv_entry(DecodePar
 #endif
 }
 
-template <DType kDType, int kHeadDim, bool kPaged>
+// kKV8: e4m3 caches (q and out kDType).
+template <DType kDType, int kHeadDim, bool kPaged, bool kKV8>
 void run_decode_impl(const DecodeParams& p, const AppendParams* append, cudaStream_t stream) {
   using Element = CutlassElement<kDType>;
+  using ElementKV = std::conditional_t<kKV8, cutlass::float_e4m3_t, Element>;
   using KVSource = std::conditional_t<kPaged, PagedKV, ContiguousKV>;
   // The table's tile where the device's shared memory holds it, else the 99 KB row (tile_size.h; the same
   // kBlockN, which the host's split count assumed). Checked before the append changes the cache.
-  constexpr DecodeTile large = decode_tile(kHeadDim), small = decode_tile(kHeadDim, true);
+  constexpr DecodeTile large = decode_tile(kHeadDim, false, kKV8), small = decode_tile(kHeadDim, true, kKV8);
   static_assert(large.block_n == small.block_n);
-  using Large = DecodeKernel<DecodeTraits<Element, kHeadDim, large.block_n, large.stages>, KVSource>;
-  using Small = DecodeKernel<DecodeTraits<Element, kHeadDim, small.block_n, small.stages>, KVSource>;
+  using Large = DecodeKernel<DecodeTraits<Element, kHeadDim, large.block_n, large.stages, ElementKV>, KVSource>;
+  using Small = DecodeKernel<DecodeTraits<Element, kHeadDim, small.block_n, small.stages, ElementKV>, KVSource>;
+  // The host's split count (decode_ctas_per_sm) sized the CTAs as these.
+  static_assert(Large::kSmemBytes == decode_smem_bytes(kHeadDim, kPaged, kKV8));
+  static_assert(Small::kSmemBytes == decode_smem_bytes(kHeadDim, kPaged, kKV8, true));
   const bool use_large = smem_fits(p, Large::kSmemBytes);
   if (!use_large) require_smem(p, Small::kSmemBytes, "decode kernel");
   if (append != nullptr) {
-    using Append = AppendKV<Element>;
+    using Append = AppendKV<ElementKV>;  // fp8: a copy (no rotary: the binding checks)
     const int64_t rows = Append::rows(p, *append);
     if (rows > 0) {
       const unsigned blocks = unsigned((rows + Append::kWarps - 1) / Append::kWarps);
