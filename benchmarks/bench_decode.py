@@ -113,11 +113,7 @@ def impls(b, sk, hq, hk, d, pages):
     out["sdpa_cudnn"] = cudnn
     out["sdpa_flash"] = fa2
     if d in flash_attn4._build_info.DECODE_KV8_HDIMS:  # an e4m3 cache of the same values, per-head scales
-        kd, vd = (k.abs().amax((1, 3)) / 448).float(), (v.abs().amax((1, 3)) / 448).float()
-        k8, v8 = (
-            (k / kd[:, None, :, None]).to(torch.float8_e4m3fn),
-            (v / vd[:, None, :, None]).to(torch.float8_e4m3fn),
-        )
+        (k8, kd), (v8, vd) = flash_attn4.quantize_fp8(k), flash_attn4.quantize_fp8(v)
         out["flash_attn4_kv8"] = lambda: flash_attn4.attn_with_kvcache(
             q, k8, v8, cache_seqlens=lens, k_descale=kd, v_descale=vd
         )
