@@ -44,8 +44,8 @@ inline int decode_num_splits(int ctas, int n_blocks, int num_sms, int per_sm) {
 //   * A paged cache's rows are scattered (a page of 16 rows is 4 KB of one head), so each load waits
 //     longer and one CTA per SM reaches only about half the bandwidth; two recover it.
 //   * An fp8 cache's tile is half the bytes while its latency through a CTA (widening to 16 bits included)
-//     is about a 16-bit tile's: one CTA per SM read 1.6 TB/s on H100, two 2.2, three 2.3-2.8 (of ~3.1). As
-//     many as fit, up to three.
+//     is about a 16-bit tile's, so one CTA per SM reads about half the bandwidth: as many as fit, up to
+//     three (docs/design.md, "fp8 caches", has the measurements).
 inline int decode_ctas_per_sm(bool paged, bool kv8, int smem, int smem_per_block) {
   if (!kv8) return paged ? 2 : 1;
   return std::clamp((smem_per_block + 1024) / (smem + 1024), 1, 3);
