@@ -260,7 +260,15 @@ def cuda_extension(archs: list[int], dtypes: list[str], hdims: list[int]):
     return CUDAExtension(
         name="flash_attn4._C",
         sources=[
-            str(ROOT / "csrc" / f) for f in ("flash_api.cpp", "decode_api.cpp", "fp8_api.cpp", "fp8_vt.cu")
+            str(ROOT / "csrc" / f)
+            for f in (
+                "flash_api.cpp",
+                "decode_api.cpp",
+                "fp8_api.cpp",
+                "fp8_vt.cu",
+                "sparse_api.cpp",
+                "sparse_estimate.cu",
+            )
         ]
         + [str(s) for s in sources],
         include_dirs=[str(p) for p in build_flags.include_dirs()],

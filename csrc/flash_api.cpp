@@ -452,6 +452,7 @@ std::vector<std::string> compiled_kernels() {
 namespace flash4::binding {
 void register_decode(pybind11::module_& m);  // decode_api.cpp
 void register_fp8(pybind11::module_& m);     // fp8_api.cpp
+void register_sparse(pybind11::module_& m);  // sparse_api.cpp
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -476,6 +477,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("alibi_slopes") = py::none(), py::arg("dropout_p") = 0.0, py::arg("dropout_rng") = py::none());
   flash4::binding::register_decode(m);
   flash4::binding::register_fp8(m);
+  flash4::binding::register_sparse(m);
   m.def("compiled_kernels", &compiled_kernels, "Names of the kernel instantiations in this build");
   m.def("set_trace", &set_trace, "Per-CTA profiling buffer for builds with -DFLASH4_TRACE (None: off)",
         py::arg("buf") = py::none());

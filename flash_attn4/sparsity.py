@@ -18,6 +18,7 @@ import math
 import torch
 from torch import Tensor
 
+from flash_attn4 import _build_info
 from flash_attn4.block_mask import BLOCK, BlockMask
 
 
@@ -61,6 +62,21 @@ def block_visibility(sq: int, sk: int, block: int, causal: bool, window_size, de
     return some, every
 
 
+def _kernel(q: Tensor, k: Tensor, block: int):
+    """The extension when its estimate_blocks serves the call (csrc/sparse_estimate.cu: three launches), else
+    None (the PyTorch version below: CPU tensors, float64, no extension, or more key blocks than a row of
+    shared memory holds)."""
+    if not (q.is_cuda and {q.dtype, k.dtype} <= _KERNEL_DTYPES and q.shape[1] and k.shape[1]):
+        return None
+    if (math.ceil(k.shape[1] / block) + q.shape[-1]) * 4 > 48 * 1024:
+        return None
+    ext, _ = _build_info.load_extension()
+    return ext if hasattr(ext, "estimate_blocks") else None
+
+
+_KERNEL_DTYPES = {torch.float32, torch.float16, torch.bfloat16}
+
+
 @functools.lru_cache(maxsize=32)
 def _geometry(sq: int, sk: int, block: int, causal: bool, window_size, keep_first: int, keep_local: int,
               density: float | None, device) -> tuple:  # fmt: skip
@@ -77,7 +93,8 @@ def _geometry(sq: int, sk: int, block: int, causal: bool, window_size, keep_firs
         (cols[None, :] <= diag[:, None]) & (cols[None, :] > diag[:, None] - keep_local)
     )
     forced &= some
-    n_keep = None if density is None else (some.sum(-1, keepdim=True) * density).ceil().clamp(min=1)
+    # In float64, as the kernel (and math.ceil below) count it.
+    n_keep = None if density is None else (some.sum(-1, keepdim=True).double() * density).ceil().clamp(min=1)
     # every <= some: where every block is covered, none is hidden.
     return not bool(every.all()), some, ~some, every, some & ~every, forced, n_keep
 
@@ -91,8 +108,10 @@ def estimate_block_mask(
     k (b, sk, hk, d); exactly one of threshold (estimated mass to keep per query block, in (0, 1]) and
     density (fraction of the visible key blocks to keep, in (0, 1]). Batch and heads are kept separate.
 
-    About 30 tensor operations on small tensors after one pass over q and k; the geometry (which blocks the
-    mask hides or covers, which are always kept) is cached per shape and options."""
+    CUDA q and k (float32 / float16 / bfloat16) run three kernels (csrc/sparse_estimate.cu); elsewhere about
+    30 tensor operations on small tensors after one pass over q and k, with the geometry (which blocks the
+    mask hides or covers, which are always kept) cached per shape and options. Both rank blocks the same
+    way; they can differ only where rounding moves a block's mass across the threshold."""
     if (threshold is None) == (density is None):
         raise ValueError("pass exactly one of threshold (mass to keep, e.g. 0.95) and density (e.g. 0.1)")
     for name, val in (("threshold", threshold), ("density", density)):
@@ -105,6 +124,12 @@ def estimate_block_mask(
     if hk < 1 or hq % hk:
         raise ValueError(f"nheads of q ({hq}) must be a multiple of nheads of k ({hk})")
     scale = 1 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    ext = _kernel(q, k, block)
+    if ext is not None:
+        left, right = window_size
+        right = 0 if causal else right
+        args = (scale, threshold or 0.0, density or 0.0, keep_first, keep_local, left, right, block)
+        return BlockMask(sq, sk, *ext.estimate_blocks(q.detach(), k.detach(), *args), block)
     masked, some, hidden, every, edge, forced, n_keep = _geometry(
         sq, sk, block, causal, tuple(window_size), keep_first, keep_local, density, q.device
     )
