@@ -78,6 +78,25 @@ __device__ Slots ordered_slots(bool a, bool b, int (*s_warp)[kWarps]) {
   return r;
 }
 
+// Two lists (partial, full) of one row or column, filled chunk by chunk in increasing position order: each
+// chunk's set flags go behind the ones already written; finish() zeroes the unused slots and writes the counts.
+struct ListPair {
+  int32_t* index[2];
+  int n, base[2] = {0, 0};
+  __device__ void add(bool partial, bool full, int pos, int (*s_warp)[kWarps]) {
+    const Slots s = ordered_slots(partial, full, s_warp);
+    if (partial) index[0][base[0] + s.slot[0]] = pos;
+    if (full) index[1][base[1] + s.slot[1]] = pos;
+    base[0] += s.total[0], base[1] += s.total[1];
+  }
+  __device__ void finish(int32_t* count_partial, int32_t* count_full) const {
+    for (int f = 0; f < 2; ++f) {
+      for (int k = base[f] + threadIdx.x; k < n; k += kThreads) index[f][k] = 0;
+    }
+    if (threadIdx.x == 0) *count_partial = base[0], *count_full = base[1];
+  }
+};
+
 __device__ float block_reduce(float v, bool is_max, float* s_red) {
   for (int o = 16; o; o /= 2) {
     const float w = __shfl_xor_sync(0xffffffffu, v, o);
@@ -149,11 +168,10 @@ __global__ void __launch_bounds__(kThreads) estimate_rows_kernel(EstimateParams 
   const int64_t last = min(int64_t(i + 1) * p.block, int64_t(p.sq)) - 1 + int64_t(p.sk) - p.sq;
   const int64_t diag = last >= 0 ? last / p.block : -((-last + p.block - 1) / p.block);
 
-  int32_t* kv_index = p.kv_index + bh * p.nq * p.nk + int64_t(i) * p.nk;
-  int32_t* full_index = p.full_index + bh * p.nq * p.nk + int64_t(i) * p.nk;
-  uint8_t* dense_partial = p.dense + (bh * p.nq + i) * p.nk;
+  const int64_t row = bh * p.nq + i;
+  ListPair lists{{p.kv_index + row * p.nk, p.full_index + row * p.nk}, p.nk};
+  uint8_t* dense_partial = p.dense + row * p.nk;
   uint8_t* dense_full = dense_partial + int64_t(p.batch) * p.hq * p.nq * p.nk;
-  int base[2] = {0, 0};
   for (int j0 = 0; j0 < p.nk; j0 += kThreads) {
     const int j = j0 + threadIdx.x;
     bool partial = false, full = false;
@@ -175,14 +193,9 @@ __global__ void __launch_bounds__(kThreads) estimate_rows_kernel(EstimateParams 
       partial = keep && !vis.every, full = keep && vis.every;
       dense_partial[j] = partial, dense_full[j] = full;
     }
-    const Slots s = ordered_slots(partial, full, s_warp);
-    if (partial) kv_index[base[0] + s.slot[0]] = j;
-    if (full) full_index[base[1] + s.slot[1]] = j;
-    base[0] += s.total[0], base[1] += s.total[1];
+    lists.add(partial, full, j, s_warp);
   }
-  for (int j = base[0] + threadIdx.x; j < p.nk; j += kThreads) kv_index[j] = 0;
-  for (int j = base[1] + threadIdx.x; j < p.nk; j += kThreads) full_index[j] = 0;
-  if (threadIdx.x == 0) p.kv_count[bh * p.nq + i] = base[0], p.full_count[bh * p.nq + i] = base[1];
+  lists.finish(p.kv_count + row, p.full_count + row);
 }
 
 // Per (batch, head, key block j): the query blocks whose row lists hold j, partial and full.
@@ -192,21 +205,15 @@ __global__ void __launch_bounds__(kThreads) block_columns_kernel(EstimateParams 
   const int64_t bh = int64_t(blockIdx.z) * p.hq + blockIdx.y;
   const uint8_t* dense_partial = p.dense + bh * p.nq * p.nk + j;
   const uint8_t* dense_full = dense_partial + int64_t(p.batch) * p.hq * p.nq * p.nk;
-  int32_t* q_index = p.q_index + (bh * p.nk + j) * p.nq;
-  int32_t* full_q_index = p.full_q_index + (bh * p.nk + j) * p.nq;
-  int base[2] = {0, 0};
+  const int64_t col = bh * p.nk + j;
+  ListPair lists{{p.q_index + col * p.nq, p.full_q_index + col * p.nq}, p.nq};
   for (int i0 = 0; i0 < p.nq; i0 += kThreads) {
     const int i = i0 + threadIdx.x;
     const bool partial = i < p.nq && dense_partial[int64_t(i) * p.nk];
     const bool full = i < p.nq && dense_full[int64_t(i) * p.nk];
-    const Slots s = ordered_slots(partial, full, s_warp);
-    if (partial) q_index[base[0] + s.slot[0]] = i;
-    if (full) full_q_index[base[1] + s.slot[1]] = i;
-    base[0] += s.total[0], base[1] += s.total[1];
+    lists.add(partial, full, i, s_warp);
   }
-  for (int i = base[0] + threadIdx.x; i < p.nq; i += kThreads) q_index[i] = 0;
-  for (int i = base[1] + threadIdx.x; i < p.nq; i += kThreads) full_q_index[i] = 0;
-  if (threadIdx.x == 0) p.q_count[bh * p.nk + j] = base[0], p.full_q_count[bh * p.nk + j] = base[1];
+  lists.finish(p.q_count + col, p.full_q_count + col);
 }
 
 void check(const char* what) {

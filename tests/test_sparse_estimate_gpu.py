@@ -62,7 +62,8 @@ def test_estimator_kernel_equals_the_pytorch_version(case):
     q = torch.randn(b, sq, hq, d, device="cuda", generator=g).to(dtype)
     k = torch.randn(b, sk, hk, 2 * d, device="cuda", generator=g).to(dtype)[..., ::2]  # non-contiguous
     # Structure, so that masses are far from uniform: a shared direction in some query / key blocks.
-    q[:, : sq // 2] += 0.5 * k[:, : min(sk, sq // 2)].mean(2, keepdim=True).repeat(1, 1, hq, 1)[:, : sq // 2]
+    n = min(sk, sq // 2)
+    q[:, :n] += 0.5 * k[:, :n].mean(2, keepdim=True).expand(b, n, hq, d)
     kw = dict(causal=causal, window_size=window, keep_first=keep_first, keep_local=keep_local, **option)
     gpu, ref = _both(q, k, **kw)
     gp, gf = gpu.to_dense()
