@@ -63,7 +63,7 @@ def block_visibility(sq: int, sk: int, block: int, causal: bool, window_size, de
 
 
 def _kernel(q: Tensor, k: Tensor, block: int):
-    """The extension when its estimate_blocks serves the call (csrc/sparse_estimate.cu: three launches), else
+    """The extension when its estimate_blocks serves the call (csrc/sparse_estimate.cu: four launches), else
     None (the PyTorch version below: CPU tensors, float64, no extension, or more key blocks than a row of
     shared memory holds)."""
     if not (q.is_cuda and {q.dtype, k.dtype} <= _KERNEL_DTYPES and q.shape[1] and k.shape[1]):
