@@ -397,8 +397,10 @@ at::Tensor bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                                       : seqlen_q_rounded;
   const int64_t slices = o.packed ? nheads_q : int64_t(o.batch) * nheads_q;
   auto f32 = q.options().dtype(at::kFloat);
-  // Zeroed by a fill kernel (full bandwidth); the main kernel adds every key block's dQ into it.
-  at::Tensor dq_accum = at::zeros({slices, accum_rows, head_dim}, f32);
+  // Zeroed by a fill kernel (full bandwidth); the main kernel adds every key block's dQ into it. Past the
+  // scratch, 16 bytes more hold BwdParams::tile_counter, zeroed by the same fill.
+  const int64_t accum_numel = slices * accum_rows * head_dim;
+  at::Tensor dq_accum = at::zeros({accum_numel + 4}, f32);
   at::Tensor dpsum = at::empty({slices, accum_rows}, f32);
   at::Tensor lse_log2 = at::empty({slices, accum_rows}, f32);
   // One turn counter per query block, zeroed: see BwdParams::dq_semaphore. Sized for the smallest kBlockM of
@@ -424,6 +426,7 @@ at::Tensor bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
   p.dk_batch_stride = sdk.batch, p.dk_row_stride = sdk.row, p.dk_head_stride = sdk.head;
   p.dv_batch_stride = sdv.batch, p.dv_row_stride = sdv.row, p.dv_head_stride = sdv.head;
   p.dq_accum = dq_accum.data_ptr<float>();
+  p.tile_counter = reinterpret_cast<int*>(p.dq_accum + accum_numel);
   p.dpsum = dpsum.data_ptr<float>();
   p.lse_log2 = lse_log2.data_ptr<float>();
   p.dq_semaphore = deterministic ? dq_semaphore.data_ptr<int>() : nullptr;

@@ -215,6 +215,9 @@ struct BwdParams : SeqMaskParams {
   // scratch row / kBlockM), with which the key blocks take turns in a fixed order, so dq is bitwise
   // reproducible.
   int* dq_semaphore = nullptr;
+  // The persistent backward's dynamic schedule (kernel_bwd_persistent_sm90.hpp): a zeroed int32 counter of key
+  // tiles taken. The binding keeps it in dq_accum's zeroed allocation, past the scratch.
+  int* tile_counter = nullptr;
 
   // Read by the block-sparse instantiations only (SparseList): the transposed lists (key blocks listing
   // query blocks). Never together with dq_semaphore.

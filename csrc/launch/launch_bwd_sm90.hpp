@@ -37,13 +37,14 @@ void run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   bwd_preprocess_kernel<Element, kHeadDimV><<<prepost_grid<kHeadDimV>(p), kPrePostThreads, 0, stream>>>(p);
   check_cuda(cudaGetLastError(), "backward pre-pass launch");
   using OneTile = BwdKernelSm90<Traits, kCausal, kLocal, Iter, Bias>;
-  // Sliding windows of fixed-length batches at head dims <= 128, when the window is at most half the sequence
-  // (nearly every key tile then costs the same), take the persistent kernel, as the forward does: its static
-  // schedule would not balance causal's unequal tiles. Timed at head dim 128, tested at 64, 96 and 128.
+  // Fixed-length batches at head dims <= 128 take the persistent kernel: sliding windows at most half the
+  // sequence (nearly every key tile then costs the same) with the forward's static schedule, causal and
+  // unmasked attention with the dynamic one (kernel_bwd_persistent_sm90.hpp). Packed batches, block lists,
+  // ALiBi and dropout keep one CTA a tile.
   bool persistent = false;
-  if constexpr (kLocal && !Traits::kWide && !kIsSparse<Iter> && !Bias::kEnabled && !Bias::kDrops) {
+  if constexpr (!Traits::kWide && !kIsSparse<Iter> && !Bias::kEnabled && !Bias::kDrops) {
     persistent = p.cu_seqlens_q == nullptr && p.seqused_q == nullptr && p.seqused_k == nullptr &&
-                 OneTile::Mainloop::tail_blocks(p) > 0;
+                 (!kLocal || OneTile::Mainloop::tail_blocks(p) > 0);
     if (persistent) {
       launch_sm90<BwdPersistentKernelSm90<Traits, kCausal, kLocal>>(p, stream, "persistent backward kernel launch");
     }

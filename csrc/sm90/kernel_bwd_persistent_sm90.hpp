@@ -1,22 +1,32 @@
 // sm90 backward, persistent (head dims <= 128, the tiling whose dQ writer warp it uses; see launch_bwd_sm90.hpp): one
-// CTA per SM walks the key tiles of the launch order (tile_order.hpp) in the forward's static snake order
-// (kernel_fwd_persistent_sm90.hpp), so the work between two tiles overlaps instead of running alone. Used for
-// sliding windows, whose tiles nearly all cost the same.
+// CTA per SM walks key tiles of the launch order (tile_order.hpp), so the work between two tiles overlaps instead
+// of running alone. Two schedules:
+//   * static snake order (the forward's, kernel_fwd_persistent_sm90.hpp) for sliding windows, whose tiles nearly
+//     all cost the same;
+//   * dynamic (tile_counter set): the producer takes the next launch index from a global counter once it has
+//     issued the current tile's loads, so causal's unequal tiles balance as the hardware's own CTA order
+//     balances them. A list-scheduling model (steps + per-tile overhead, 132 SMs, the launch order's grouped
+//     heaviest-first tiles) puts the static snake 7-24% over the hardware's order for causal from 2k tokens,
+//     the dynamic one within 1% of the ideal makespan.
 // Traces of the one-CTA-per-tile kernel (tools/trace_tiles.py) put ~10.2k cycles of a 4096-window tile outside
 // its steps: start to K / V ready 4.6k, a slower first step 0.9k, the dK / dV store
-// 3.4k and 1.2k between one CTA's end and the next one's start. Both the window and causal rows pay them on
-// the same 4096 CTAs at 32k x 16 heads, which is what keeps the window's backward under 4x causal's speed.
+// 3.4k and 1.2k between one CTA's end and the next one's start; this kernel's tiles spend ~5.6k there. With
+// tiles of few steps (short or causal sequences) those cycles are a large share of the work.
 //
 // It composes the one-CTA kernel's pieces (MainloopBwdSm90's loads and steps, EpilogueBwdSm90's dQ writer) with
 // its own dK / dV store (DkvTmaStoreSm90). What carries from tile to tile:
 //   * the Q / dO pipeline states, so the next tile's first query blocks load under the current tile's last
 //     steps and its store;
-//   * the tiles themselves: the producer works each one out and hands it to the consumers (tile_ring_sm90.hpp);
+//   * the tiles themselves: the producer works each one out and hands it to the consumers and the dQ writer
+//     (tile_ring_sm90.hpp);
 //   * K / V: one buffer, loaded again (barrier_kv phase = tile parity) once both consumer warpgroups signal
 //     kv_empty after their last GEMM of the tile, from L2 (prefetched a few steps earlier, when the producer
 //     has issued the tile's last query blocks), so the load runs under the dK / dV store;
 //   * dK and dV leave by TMA store, left running while the next tile starts (DkvTmaStoreSm90); the next tile
 //     waits for both stores to have read shared memory before it writes dS or dQ.
+// Deterministic mode stays deadlock-free under either schedule: a CTA takes launch indices in increasing order
+// and a tile waits for turns of tiles launched before it only (EpilogueBwdSm90::n_block_of), which were taken
+// earlier by CTAs that finish their earlier tiles first.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -47,7 +57,6 @@ struct BwdPersistentKernelSm90 {
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kBlockN = Traits::kBlockN;
   static_assert(!Traits::kWide, "the persistent backward uses the dQ writer warp of the head dims <= 128 kernel");
-  static_assert(kLocal, "the persistent backward walks the masked launch order of a sliding window");
 
   // A tile as the producer publishes it to the consumers (launch index -1: no tile left).
   struct PublishedTile {
@@ -56,7 +65,7 @@ struct BwdPersistentKernelSm90 {
 
   struct SharedStorage : Traits::SharedStorage {
     alignas(16) cutlass::arch::ClusterBarrier kv_empty;  // both consumer warpgroups are done with K and V
-    TileRing<PublishedTile, Traits::kNumMmaThreads / 32> tile_ring;
+    TileRing<PublishedTile, Traits::kNumMmaThreads / 32 + 1> tile_ring;  // the consumer warps and the dQ writer
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= 227 * 1024, "the persistent tile does not fit in shared memory");
@@ -68,6 +77,7 @@ struct BwdPersistentKernelSm90 {
     TileOrder order;   // the one-CTA kernel's launch order (tile_order.hpp)
     int num_n_blocks;  // key tiles per (head, batch): the launch order's block extent
     int num_tiles;
+    int* tile_counter;  // dynamic schedule: launch indices taken after the first grid's, zeroed; null: snake
     unsigned long long* trace;
   };
 
@@ -77,34 +87,37 @@ struct BwdPersistentKernelSm90 {
     const int n_blocks = Mainloop::num_n_blocks(p);
     const TileOrder order = TileOrder::make<Traits::kHeadDim>(n_blocks, p.nheads_kv, p.batch, Mainloop::tail_blocks(p));
     return {Mainloop::to_params(p), Epilogue::to_params(p), DkvStore::to_params(p), order, n_blocks, num_tiles(p),
-            p.trace};
+            kLocal ? nullptr : p.tile_counter, p.trace};
   }
 
   static dim3 grid(BwdParams const& p) { return dim3(unsigned(persistent_ctas(num_tiles(p), p.num_sms)), 1, 1); }
-
-  // Launch index of this CTA's tile in round r (snake order, tile_order.hpp), or -1 past the last tile.
-  CUTE_DEVICE static int tile_of_round(Params const& params, int r) { return snake_tile(r, params.num_tiles); }
 
   struct Tile {
     int n_block, bidh_kv;
     typename Mainloop::Seq seq;
   };
-  // As BwdKernelSm90::operator() maps its CTA.
+  // As BwdKernelSm90::operator() maps its CTA. Every tile lies inside its sequence: the launcher takes this kernel
+  // for fixed-length batches only.
+  // Unmasked attention keeps the one-CTA kernel's grid order (key block fastest): the key tiles of a head run
+  // side by side and share its Q / dO reads and dq_accum lines in L2. In the masked launch order (heads of a
+  // group fastest) the H100 ran head dim 64 / 128 at 1k tokens 26-36% slower.
   CUTE_DEVICE static Tile tile_at_linear(Params const& params, int linear) {
-    const TileCoord t = params.order(linear);
+    TileCoord t;
+    if constexpr (kCausal || kLocal) {
+      t = params.order(linear);
+    } else {
+      const int nb = params.num_n_blocks, heads = params.order.num_heads;
+      t = {linear % nb, (linear / nb) % heads, linear / (nb * heads)};
+    }
     return {Epilogue::n_block_of(params.epilogue, t.block, params.num_n_blocks), t.head,
             Mainloop::seq_of(params.mainloop, t.batch)};
   }
-  // Every role walks the same tiles in the same order; body(tile, linear, r), r counting the tiles before it.
-  // Every tile lies inside its sequence: the launcher takes this kernel for fixed-length batches only.
-  template <class Body>
-  CUTE_DEVICE static void for_each_tile(Params const& params, Body&& body) {
-#pragma unroll 1
-    for (int r = 0;; ++r) {
-      const int linear = tile_of_round(params, r);
-      if (linear < 0) break;
-      body(tile_at_linear(params, linear), linear, r);
-    }
+  // Launch index of this CTA's tile in round r, or -1 past the last tile (producer thread only, once a round, in
+  // order): the snake order's, or the counter's next (round 0: the CTA's own index, as the hardware hands out).
+  CUTE_DEVICE static int next_linear(Params const& params, int r) {
+    if (params.tile_counter == nullptr) return snake_tile(r, params.num_tiles);
+    const int linear = r == 0 ? int(blockIdx.x) : int(gridDim.x) + atomicAdd(params.tile_counter, 1);
+    return linear < params.num_tiles ? linear : -1;
   }
 
   CUTE_DEVICE void operator()(Params const& params, char* smem_buf) const {
@@ -131,10 +144,17 @@ struct BwdPersistentKernelSm90 {
           smem.tile_ring.slot(r) = tile;
           smem.tile_ring.commit(r);
         };
-        int rounds = 0;
-        for_each_tile(params, [&](Tile const& t, int linear, int r) {
+        int linear = next_linear(params, 0);
+#pragma unroll 1
+        for (int r = 0;; ++r) {
+          if (linear < 0) {
+            publish(r, {-1, 0, 0, 0});
+            break;
+          }
+          // The next index is taken a tile ahead, so the atomic's latency runs under this tile's loads.
+          const int next = next_linear(params, r + 1);
+          const Tile t = tile_at_linear(params, linear);
           publish(r, {linear, t.n_block, t.bidh_kv, t.seq.info.batch});
-          rounds = r + 1;
           const TraceRow trace{params.trace, linear};
           trace.stamp(TraceSlot::kProducerStart);
           // K and V of the previous tile stay until both consumer warpgroups' last GEMMs of it have retired. The
@@ -147,14 +167,18 @@ struct BwdPersistentKernelSm90 {
             }
           };
           mainloop.load(params.mainloop, pipeline, smem, t.n_block, t.bidh_kv, t.seq, state, before_kv, trace);
-        });
-        publish(rounds, {-1, 0, 0, 0});
+          linear = next;
+        }
       } else if (warp == 1) {
-        for_each_tile(params, [&](Tile const& t, int linear, int) {
-          epilogue.template store_dq</*kReleaseLast=*/true>(params.epilogue, smem, t.n_block, t.bidh_kv,
-                                                                 params.mainloop.head_ratio, t.seq);
-          if (cute::elect_one_sync()) trace_stamp(params.trace, linear, TraceSlot::kEpilogueDone);
-        });
+#pragma unroll 1
+        for (int r = 0;; ++r) {
+          const PublishedTile pub = smem.tile_ring.take(r, int(threadIdx.x));
+          if (pub.linear < 0) break;
+          epilogue.template store_dq</*kReleaseLast=*/true>(params.epilogue, smem, pub.n_block, pub.bidh_kv,
+                                                                 params.mainloop.head_ratio,
+                                                                 Mainloop::seq_of(params.mainloop, pub.batch));
+          if (cute::elect_one_sync()) trace_stamp(params.trace, pub.linear, TraceSlot::kEpilogueDone);
+        }
         bulk_wait_all();  // the lane that issued the reductions waits for them; the others pass
       }
       return;
