@@ -3,7 +3,7 @@
 // of running alone. Two schedules:
 //   * static snake order (the forward's, kernel_fwd_persistent_sm90.hpp) for sliding windows, whose tiles nearly
 //     all cost the same;
-//   * dynamic (tile_counter set): the producer takes the next launch index from a global counter once it has
+//   * dynamic (causal and unmasked): the producer takes the next launch index from a global counter once it has
 //     issued the current tile's loads, so causal's unequal tiles balance as the hardware's own CTA order
 //     balances them. A list-scheduling model (steps + per-tile overhead, 132 SMs, the launch order's grouped
 //     heaviest-first tiles) puts the static snake 7-24% over the hardware's order for causal from 2k tokens,
@@ -77,7 +77,7 @@ struct BwdPersistentKernelSm90 {
     TileOrder order;   // the one-CTA kernel's launch order (tile_order.hpp)
     int num_n_blocks;  // key tiles per (head, batch): the launch order's block extent
     int num_tiles;
-    int* tile_counter;  // dynamic schedule: launch indices taken after the first grid's, zeroed; null: snake
+    int* tile_counter;  // the dynamic schedule's launch indices taken after the first grid's (zeroed)
     unsigned long long* trace;
   };
 
@@ -87,7 +87,7 @@ struct BwdPersistentKernelSm90 {
     const int n_blocks = Mainloop::num_n_blocks(p);
     const TileOrder order = TileOrder::make<Traits::kHeadDim>(n_blocks, p.nheads_kv, p.batch, Mainloop::tail_blocks(p));
     return {Mainloop::to_params(p), Epilogue::to_params(p), DkvStore::to_params(p), order, n_blocks, num_tiles(p),
-            kLocal ? nullptr : p.tile_counter, p.trace};
+            p.tile_counter, p.trace};
   }
 
   static dim3 grid(BwdParams const& p) { return dim3(unsigned(persistent_ctas(num_tiles(p), p.num_sms)), 1, 1); }
@@ -96,11 +96,10 @@ struct BwdPersistentKernelSm90 {
     int n_block, bidh_kv;
     typename Mainloop::Seq seq;
   };
-  // As BwdKernelSm90::operator() maps its CTA. Every tile lies inside its sequence: the launcher takes this kernel
-  // for fixed-length batches only.
+  // As BwdKernelSm90::operator() maps its CTA; every tile lies inside its sequence (fixed-length batches only).
   // Unmasked attention keeps the one-CTA kernel's grid order (key block fastest): the key tiles of a head run
-  // side by side and share its Q / dO reads and dq_accum lines in L2. In the masked launch order (heads of a
-  // group fastest) the H100 ran head dim 64 / 128 at 1k tokens 26-36% slower.
+  // side by side and share its Q / dO reads and dq_accum lines in L2 (in the masked launch order, heads of a
+  // group fastest, head dims 64 / 128 at 1k tokens ran 26-36% slower).
   CUTE_DEVICE static Tile tile_at_linear(Params const& params, int linear) {
     TileCoord t;
     if constexpr (kCausal || kLocal) {
@@ -113,9 +112,10 @@ struct BwdPersistentKernelSm90 {
             Mainloop::seq_of(params.mainloop, t.batch)};
   }
   // Launch index of this CTA's tile in round r, or -1 past the last tile (producer thread only, once a round, in
-  // order): the snake order's, or the counter's next (round 0: the CTA's own index, as the hardware hands out).
+  // order): windows the snake order's, the others the counter's next (round 0: the CTA's own index, as the
+  // hardware hands out).
   CUTE_DEVICE static int next_linear(Params const& params, int r) {
-    if (params.tile_counter == nullptr) return snake_tile(r, params.num_tiles);
+    if constexpr (kLocal) return snake_tile(r, params.num_tiles);
     const int linear = r == 0 ? int(blockIdx.x) : int(gridDim.x) + atomicAdd(params.tile_counter, 1);
     return linear < params.num_tiles ? linear : -1;
   }
