@@ -39,12 +39,10 @@ void run_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
   using OneTile = BwdKernelSm90<Traits, kCausal, kLocal, Iter, Bias>;
   // Fixed-length batches at head dims <= 128 take the persistent kernel: sliding windows at most half the
   // sequence (nearly every key tile then costs the same) with the forward's static schedule, causal and
-  // unmasked attention with the dynamic one (kernel_bwd_persistent_sm90.hpp) at head dims 64 and 128, the ones
-  // its GPU tests and timings cover. Packed batches, block lists, ALiBi and dropout keep one CTA a tile.
-  constexpr bool kDynamicTested = kHeadDim == 64 || kHeadDim == 128;
+  // unmasked attention with the dynamic one (kernel_bwd_persistent_sm90.hpp). Packed batches, block lists,
+  // ALiBi and dropout keep one CTA a tile.
   bool persistent = false;
-  if constexpr (!Traits::kWide && !kIsSparse<Iter> && !Bias::kEnabled && !Bias::kDrops &&
-                (kLocal || kDynamicTested)) {
+  if constexpr (!Traits::kWide && !kIsSparse<Iter> && !Bias::kEnabled && !Bias::kDrops) {
     persistent = p.cu_seqlens_q == nullptr && p.seqused_q == nullptr && p.seqused_k == nullptr &&
                  (!kLocal || OneTile::Mainloop::tail_blocks(p) > 0);
     if (persistent) {
