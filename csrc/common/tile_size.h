@@ -10,8 +10,9 @@
 //     (64 x head_dim / 128 fp32) within the 240 registers setmaxnreg gives it.
 // hdim 128 non-causal at kBlockN = 176: Q 32 KB + 2 x (44 + 44) KB = 208 KB; S 88 + P 44 + O 64 regs.
 //   Causal keeps 128: more of its blocks are diagonal (masked) ones, and a smaller N wastes less there.
-// hdim 256 at kBlockN = 64: kBlockN = 80 spilled 48 bytes in the main loop (O 128 + S 40 + P 20 regs
-//   live at once under the two in-flight GEMMs); 64 does not spill.
+// hdim 256: kBlockN = 80 (FA4's tile) where the scores are plain and unmasked (0 B spill); masked tiles keep
+//   64 (80 spilled 80 B in the causal step: O 128 + S 40 + P 20 registers live under the two in-flight GEMMs),
+//   and so do ALiBi / dropout.
 #pragma once
 
 namespace flash4 {
@@ -35,7 +36,7 @@ constexpr FwdTileSm90 fwd_tile_sm90(int head_dim, bool causal, int head_dim_v = 
          : head_dim <= 96  ? FwdTileSm90{128, 128, 2}
          : head_dim <= 128 ? FwdTileSm90{128, causal ? 128 : 176, 2}
          : head_dim <= 192 ? FwdTileSm90{128, 112, 2}
-                           : FwdTileSm90{128, 64, 2};
+                           : FwdTileSm90{128, plain && !causal ? 80 : 64, 2};
 }
 
 // sm90 fp8 forward (e4m3 q, k, v; bf16 out): 128 x 128 tiles. Registers per consumer thread: S 64, P 16 (one
