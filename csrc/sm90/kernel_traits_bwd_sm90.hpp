@@ -7,7 +7,8 @@
 //   dP^T = V_k dO_q^T           (SS)      dS^T = P^T * (dP^T - D[q])
 //   dV_k += P^T dO_q            (RS: P^T stays in registers, dO read through an MN-major view)
 //   dK_k += dS^T Q_q            (RS)
-// and then, with both warpgroups' dS in shared memory, dQ_q = dS_q K (SS, the warpgroups split head_dim).
+// and then, with both warpgroups' dS in shared memory, dQ_q = dS_q K (SS; the warpgroups split head_dim, or the
+// queries when a step has 128).
 // dQ_q goes to shared memory in the accumulator's register order and a warp of the producer warpgroup adds
 // it to an fp32 buffer with one bulk reduce-add per warpgroup (cp.reduce.async.bulk), off the MMA warps'
 // critical path; the post-pass undoes the order, scales and converts.
@@ -56,19 +57,25 @@ struct BwdTraitsSm90 {
                            GMMA::Major::MN>(),
       AtomLayoutKeys{}));
   using TiledMmadV = TiledMmadKV;
-  // dQ = dS K: (queries, head_dim, keys). The two warpgroups split head_dim (each a 64 x head_dim/2
-  // accumulator: 32 registers at hdim 128 instead of 64 for a split over keys) and both read all 128 keys
-  // of dS, so dS goes through shared memory from both warpgroups. A = dS with queries contiguous, B = K^T.
+  // dQ = dS K: (queries, head_dim, keys), A = dS with queries contiguous, B = K^T; both warpgroups read all
+  // 128 keys of dS, so dS goes through shared memory from both. With 64 queries a step the warpgroups split
+  // head_dim (each a 64 x head_dim/2 accumulator: 32 registers at hdim 128 instead of 64 for a split over
+  // keys); with 128 (hdim 64) they split the queries, 64 x head_dim each: the same 32 registers, but N = 64
+  // GEMMs instead of N = 32 ones, which read dS from shared memory once instead of twice (64 KB a step
+  // instead of 80 for the dQ GEMM's operands).
+  static constexpr bool kdQSplitsQueries = kBlockM == 128;
+  static constexpr int kdQCols = kdQSplitsQueries ? kHeadDim : kHeadDim / 2;  // head_dim columns a warpgroup
   using TiledMmadQ = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kHeadDim / 2>, Int<kBlockN>>,
-                           GMMA::Major::MN, GMMA::Major::MN>(),
-      Layout<Shape<_1, Int<kNumMmaWarpGroups>, _1>>{}));
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kdQCols>, Int<kBlockN>>, GMMA::Major::MN,
+                           GMMA::Major::MN>(),
+      std::conditional_t<kdQSplitsQueries, Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>,
+                         Layout<Shape<_1, Int<kNumMmaWarpGroups>, _1>>>{}));
 
-  // K's swizzle atom is sized by the per-warpgroup dQ width (head_dim / 2), not by head_dim: each warpgroup's
-  // slice of the K^T view (the dQ GEMM's B operand) must start on an atom boundary to be a canonical GMMA
-  // layout (at hdim 96 a 48-column slice of 32-wide SW64 atoms is not). V is not split, so it keeps the
-  // widest atom and the largest TMA boxes.
-  using SmemLayoutK = decltype(tile_to_shape(gmma_smem_atom<Element, kHeadDim / 2, GMMA::Major::K>(),
+  // K's swizzle atom is sized by the per-warpgroup dQ width, not by head_dim: each warpgroup's slice of the
+  // K^T view (the dQ GEMM's B operand) must start on an atom boundary to be a canonical GMMA layout (at hdim
+  // 96 a 48-column slice of 32-wide SW64 atoms is not). V is not split, so it keeps the widest atom and the
+  // largest TMA boxes.
+  using SmemLayoutK = decltype(tile_to_shape(gmma_smem_atom<Element, kdQCols, GMMA::Major::K>(),
                                              Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   using SmemLayoutV = decltype(tile_to_shape(gmma_smem_atom<Element, kHeadDim, GMMA::Major::K>(),
                                              Shape<Int<kBlockN>, Int<kHeadDim>>{}));
