@@ -18,7 +18,9 @@ leader: how far it trails thread 0 at Q, the first K, the loop's end and the epi
 prologue, tail and epilogue (the phases above are thread 0's, warpgroup 0's).
 
 Cases: hdim 128, 16 heads, bf16, one sequence of --seqlen (32k), causal against a causal --window (4096)
-window, the shapes of benchmarks/bench_varlen.py. Prints a table per case and writes the per-SM sums as JSON.
+window, the shapes of benchmarks/bench_varlen.py (--batch / --hdim / --heads / --window 0 for others, e.g.
+the short causal rows: --batch 16 --seqlen 1024 --hdim 64 --heads 32 --window 0). Prints a table per case and
+writes the per-SM sums as JSON.
 """
 
 from __future__ import annotations
@@ -165,7 +167,10 @@ def show(name: str, a: dict) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqlen", type=int, default=32768)
-    ap.add_argument("--window", type=int, default=4096)
+    ap.add_argument("--window", type=int, default=4096, help="the window case's left size; 0: causal only")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--hdim", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
@@ -173,11 +178,12 @@ def main() -> int:
     from flash_attn4 import _C
 
     slots = _C.trace_slots()
-    h, d, s = 16, 128, args.seqlen
-    q, k, v = (torch.randn(1, s, h, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
-    max_ctas = 4 * ((s + 63) // 64) * h
-    window = dict(causal=True, window_size=(args.window, 0))
-    cases = {"causal": dict(causal=True), f"window {args.window}": window}
+    b, h, d, s = args.batch, args.heads, args.hdim, args.seqlen
+    q, k, v = (torch.randn(b, s, h, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    max_ctas = 4 * ((s + 63) // 64) * h * b
+    cases = {"causal": dict(causal=True)}
+    if args.window > 0:
+        cases[f"window {args.window}"] = dict(causal=True, window_size=(args.window, 0))
     results = {}
     for name, kw in cases.items():
         rows = run_traced(lambda kw=kw: flash_attn4.attn(q, k, v, **kw), slots, max_ctas)
