@@ -183,8 +183,8 @@ struct MainloopFwdSm90 : MainloopFwdLoadSm90<Traits, Iter, Bias> {
     clear(tOrO);
     decltype(softmax.template update<true>(tSrS_rc)) o_scale;
     // Lazy rescale (OnlineSoftmax::update_lazy) where O is rescaled after the softmax: O is rescaled only in
-    // steps where some row of the warp's running max grew by more than 2^8, so the head_dim / 2 multiplies a
-    // thread does per step (64 at hdim 128) mostly drop out once the maxima settle; it also changed ptxas's
+    // steps where some row of the warp's running max grew (fp8: by more than 2^1.75), so the head_dim / 2
+    // multiplies a thread does per step (64 at hdim 128) drop out once the maxima settle; it also changed ptxas's
     // allocation so that a masked step's mask and max run before the P V wait (docs/design.md, "sm90 forward").
     // pmevent keeps the skip a branch (ptxas if-converted such branches on sm80). Head dims > 128 rescale
     // before the GEMM and keep the eager form (the lazy one spilled 24 B at hdim 256).
