@@ -30,7 +30,7 @@ using namespace cute;
 // adds into its accumulator with fewer bits than fp32 (DeepSeek-V3 measured about 14 on H800); here the MMA
 // sums 4 k-steps at a time and fp32 adds the blocks (at 32k keys: the same speed, a slightly lower error on
 // the longest rows; docs/design.md, "FP8 forward"). Softmax: the lazy rescale, with probabilities shifted up
-// by 2^7 (OnlineSoftmax's kExpShift) and 1.75 (log2) of headroom, so P stays below e4m3's 448.
+// by 2^7 (OnlineSoftmax's kExpShift), below e4m3's 448.
 //
 // kSoftcap: a compile-time switch (the launcher picks the instantiation at run time) because a uniform
 // run-time branch in the loop cost the plain kernels 4-5% (H200, hdim 64-256).
@@ -183,9 +183,9 @@ struct MainloopFwdSm90 : MainloopFwdLoadSm90<Traits, Iter, Bias> {
     clear(tOrO);
     decltype(softmax.template update<true>(tSrS_rc)) o_scale;
     // Lazy rescale (OnlineSoftmax::update_lazy) where O is rescaled after the softmax: O is rescaled only in
-    // steps where some row of the warp's running max grew (fp8: by more than 2^1.75), so the head_dim / 2
-    // multiplies a thread does per step (64 at hdim 128) drop out once the maxima settle; it also changed ptxas's
-    // allocation so that a masked step's mask and max run before the P V wait (docs/design.md, "sm90 forward").
+    // steps where some row of the warp's running max grew, so the head_dim / 2 multiplies a thread does per
+    // step (64 at hdim 128) drop out once the maxima settle; it also changed ptxas's allocation so that a
+    // masked step's mask and max run before the P V wait (docs/design.md, "sm90 forward").
     // pmevent keeps the skip a branch (ptxas if-converted such branches on sm80). Head dims > 128 rescale
     // before the GEMM and keep the eager form (the lazy one spilled 24 B at hdim 256).
     [[maybe_unused]] bool rescale_o = false;
