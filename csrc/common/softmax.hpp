@@ -41,8 +41,8 @@ __device__ __forceinline__ float allreduce_sum(float x) {
 
 // kExpShift: probabilities come out as exp2(kExpShift) * p (the fp8 kernels: P in e4m3 keeps 3 mantissa bits
 // from 2^-6 up, and 2^7 * p moves small probabilities out of its subnormals while staying under its 448
-// maximum). Row sums carry the same factor, so the normalized output
-// does not change; finalize takes it out of the LSE.
+// maximum). Row sums carry the same factor, so the normalized output does not change; finalize takes it out
+// of the LSE.
 template <int kRows, int kThreadsPerRow = 4, int kExpShift = 0>
 struct OnlineSoftmax {
   cute::array<float, kRows> row_max;  // running max of the raw (unscaled) scores, -inf if none seen
