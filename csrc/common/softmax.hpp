@@ -136,11 +136,9 @@ struct OnlineSoftmax {
   // rescale is a branch the whole warp takes or skips. The threshold is 0: a stale max (kept while rows grow
   // by up to 2^8, as this once did; the same softmax, since the normalisation and LSE use the same maxima)
   // puts the row's largest probability, the term that dominates its output, at some c > 1 that takes the
-  // rounding of P, where against the true max it is exactly 1 (2^kExpShift with fp8). At 2^8 the bf16
-  // output's RMS error against fp64 was 4% above cuDNN's and FlashAttention-4's and its max error up to 2x
-  // (H100, hdim 64: 1.198e-4 against 1.149e-4; a PyTorch emulation of the loop over three seeds gives the
-  // same, and the eager numbers at 0), and the backward inherits it through D = rowsum(dO o O); fp8's 2^1.75
-  // cost 5% of its relative RMS error in the same emulation.
+  // rounding of P, where against the true max it is exactly 1 (2^kExpShift with fp8). That raised the
+  // output's error against fp64 above cuDNN's and FlashAttention-4's, and the backward inherits it through
+  // D = rowsum(dO o O) (docs/design.md, "Lazy O rescale").
   static constexpr float kLazyRescaleLog2 = 0.f;
   static_assert(kExpShift == 0 || kExpShift + kLazyRescaleLog2 <= 8.8f, "P would leave e4m3's range");
   template <class TensorS, class Off = NoRowOffset>

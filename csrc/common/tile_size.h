@@ -11,8 +11,8 @@
 // hdim 128 non-causal at kBlockN = 176: Q 32 KB + 2 x (44 + 44) KB = 208 KB; S 88 + P 44 + O 64 regs.
 //   Causal keeps 128: more of its blocks are diagonal (masked) ones, and a smaller N wastes less there.
 // hdim 256: kBlockN = 80 (FA4's tile) where the scores are plain and unmasked (0 B spill); masked tiles keep
-//   64 (80 spilled 80 B in the causal step: O 128 + S 40 + P 20 registers live under the two in-flight GEMMs),
-//   and so do ALiBi / dropout.
+//   64 (80 spilled 80 B in the causal step: O 128 + S 40 + P 20 registers live under the two in-flight GEMMs,
+//   and ran 1-3% slower; docs/experiments.md), and so do ALiBi / dropout.
 #pragma once
 
 namespace flash4 {
