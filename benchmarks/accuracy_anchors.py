@@ -16,8 +16,6 @@ tests/test_accuracy_gpu.py checks the max bound on one seed.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import sys
 from pathlib import Path
@@ -29,7 +27,7 @@ try:  # the installed package, else the source tree (`make build` compiles _C in
 except ImportError:
     sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
     import flash_attn4
-from bench_fwd import RESULTS, gpu_slug, sm_clock_mhz  # benchmarks/ is on sys.path when run as a script
+from results_file import default_path, sm_clock_mhz, write_results  # benchmarks/ is on sys.path as a script
 
 from flash_attn4 import _build_info
 
@@ -126,15 +124,17 @@ def main() -> int:
     ap.add_argument("--hdims", default=",".join(map(str, _build_info.HDIMS)) or "64,128")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--impls", default="flash_attn4,sdpa_cudnn,fa4_cute,sdpa_flash")
+    ap.add_argument("--out", type=Path, help="result file (default benchmarks/results/<gpu>_accuracy.json)")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
     impls = available(args.impls.split(","))
-    records = []
+    records, clocks = [], []
     head = f"{'hdim':>4} {'causal':>6} {'tensor':>7} " + " ".join(f"{n:>12}" for n in impls) + "  ours/best"
     print(head)
     for hdim in map(int, args.hdims.split(",")):
         for causal in (False, True):
             worst = worst_over_seeds([max_errors(hdim, causal, seed, impls) for seed in range(args.seeds)])
+            clocks.append(sm_clock_mhz())
             for n in NAMES + RMS:
                 cells, best = [], None
                 for name in impls:
@@ -157,14 +157,8 @@ def main() -> int:
                 else:
                     records.append(dict(base, max_abs_error={n: r[n] for n in NAMES},
                                         rms_error={n: r[f"{n}_rms"] for n in NAMES}))  # fmt: skip
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                date=datetime.date.today().isoformat(), sm_clock_mhz=sm_clock_mhz())  # fmt: skip
-    for r in records:
-        r.update(meta)
     if not args.no_save:
-        path = RESULTS / f"{gpu_slug(torch.cuda.get_device_name())}_accuracy.json"
-        path.write_text(json.dumps(records, indent=1))
-        print(f"wrote {path}")
+        print(f"wrote {write_results(records, args.out or default_path('accuracy'), clocks)}")
     return 0
 
 

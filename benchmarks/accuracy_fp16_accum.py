@@ -12,10 +12,7 @@ fp32 one there; the same on A100 / H100), not measured here.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,10 +23,10 @@ try:  # the installed package, else the source tree (`make build` compiles _C in
 except ImportError:
     sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
     import flash_attn4
+from results_file import default_path, sm_clock_mhz, write_results  # benchmarks/ is on sys.path as a script
+
 from flash_attn4 import _build_info
 from flash_attn4.reference import attention_ref
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def _errors(out: torch.Tensor, truth: torch.Tensor) -> tuple[float, float]:
@@ -45,9 +42,7 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("FLASH_ATTN4_FORCE_SM80", "1")
     dev = torch.device("cuda")
-    records = []
-    query = ["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits"]
-    clock = subprocess.run(query, capture_output=True, text=True).stdout.strip()
+    records, clocks = [], []
     print("hdim  seqlen  causal  max err fp32-acc  fp16-acc  torch fp16   mean err fp32-acc  fp16-acc  "
           "torch fp16")  # fmt: skip
     for hdim in (int(h) for h in args.hdims.split(",")):
@@ -68,6 +63,7 @@ def main() -> None:
                 e16 = _errors(flash_attn4.attn(*h, causal=causal), truth)
                 os.environ["FLASH_ATTN4_FP16_ACCUM"] = "0"
                 elp = _errors(attention_ref(*h, causal=causal, upcast=False)[0], truth)
+                clocks.append(sm_clock_mhz())
                 print(
                     f"{hdim:4d}  {seqlen:6d}  {'yes' if causal else 'no':>6}  {e32[0]:17.2e}  {e16[0]:8.2e}  "
                     f"{elp[0]:10.2e}   {e32[1]:18.2e}  {e16[1]:8.2e}  {elp[1]:10.2e}"
@@ -77,13 +73,8 @@ def main() -> None:
                     records.append({
                         "impl": impl, "hdim": hdim, "seqlen": seqlen, "causal": causal, "batch": b,
                         "nheads": 16, "dtype": "fp16", "max_abs_err": mx, "mean_abs_err": mean,
-                        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                        "date": datetime.date.today().isoformat(), "sm_clock_mhz": clock,
                     })  # fmt: skip
-    gpu = torch.cuda.get_device_name().lower().replace("nvidia ", "").replace(" ", "_")
-    out = args.out or RESULTS / f"{gpu}_fp16_accum.json"
-    out.write_text(json.dumps(records, indent=1) + "\n")
-    print(f"results: {out}")
+    print(f"results: {write_results(records, args.out or default_path('fp16_accum'), clocks)}")
 
 
 if __name__ == "__main__":

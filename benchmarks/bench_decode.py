@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(ROOT / "benchmarks"))
-from bench_fwd import gpu_slug  # noqa: E402
+from results_file import clock_range, default_path, sm_clock_mhz, write_results  # noqa: E402
 
 import flash_attn4  # noqa: E402
 
@@ -34,15 +33,6 @@ ROWS = [  # batch, cache length, hq, hk, hdim
     (16, 8192, 32, 8, 64),
     (16, 8192, 32, 8, 256),
 ]
-
-
-def sm_clock() -> int:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True).stdout  # fmt: skip
-        return int(out.split()[0])
-    except Exception:
-        return -1
 
 
 def time_us(fn, warmup=3, calls=20, samples=5) -> float:
@@ -165,7 +155,7 @@ def bandwidth_rows(args, pages, clocks):
                     print(f"  {name}: {type(e).__name__}: {str(e)[:120]}")
                     samples[name] = None
                     break
-                clocks.append(sm_clock())
+                clocks.append(sm_clock_mhz())
             fns = {n: f for n, f in fns.items() if samples[n] is not None}
         nbytes = 2 * b * sk * hk * d * 2
         line = f"b{b:4d} sk{sk:7d} d{d:3d}:"
@@ -251,6 +241,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--pages", default="16,64", help="page sizes of the paged rows (head dim 128)")
+    ap.add_argument("--out", type=Path, help="result file (default benchmarks/results/<gpu>_decode.json)")
     ap.add_argument("--no-save", action="store_true")
     ap.add_argument(
         "--table", metavar="JSON", help="print the table of a result file and redraw its plot; no runs"
@@ -264,17 +255,11 @@ def main() -> None:
     pages = [int(p) for p in args.pages.split(",") if p]
     clocks = []
     records = host_rows(args) + bandwidth_rows(args, pages, clocks)
-    print(f"SM clock seen: {min(clocks)}-{max(clocks)} MHz")
+    print(f"SM clock seen: {clock_range(clocks)} MHz")
+    print(table(records))
     if not args.no_save:
-        gpu = gpu_slug(torch.cuda.get_device_name())
-        meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
-                    sm_clock_mhz=[min(clocks), max(clocks)])  # fmt: skip
-        for r in records:
-            r.update(meta)
-        path = ROOT / "benchmarks" / "results" / f"{gpu}_decode.json"
-        path.write_text(json.dumps(records, indent=1))
+        path = write_results(records, args.out or default_path("decode"), clocks)
         plot(records, path.with_suffix(".png"))
-        print(table(records))
         print(f"wrote {path} and {path.with_suffix('.png')}")
 
 

@@ -24,10 +24,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import json
 import math
 import os
-import re
 import statistics
 import sys
 from pathlib import Path
@@ -35,6 +33,7 @@ from typing import Callable
 
 import torch
 from plot import format_table, plot_records  # benchmarks/ is on sys.path when run as a script
+from results_file import RESULTS, gpu_slug, sm_clock_mhz, write_results
 
 IMPLS = ["flash_attn4", "fa4_cute", "sdpa_cudnn", "sdpa_flash"]
 # --dtype fp8: flash_attn4_fp8 takes q, k, v quantized per head (flash_attn4.quantize_fp8, outside the timed
@@ -52,7 +51,6 @@ SMEM_99KB = "101376"
 HDIMS = [64, 128, 256]
 SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
 TOKENS, WIDTH = 16384, 2048  # batch * seqlen, nheads * hdim
-RESULTS = Path(__file__).resolve().parent / "results"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}  # fp8: see FP8_IMPLS
 MATMUL_N = 8192
 
@@ -99,12 +97,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def gpu_slug(name: str) -> str:
-    """'NVIDIA H200' -> 'h200': the default result file name."""
-    name = re.sub(r"^nvidia\s+", "", name.strip(), flags=re.IGNORECASE)
-    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_") or "gpu"
-
-
 def bench_ms(fn: Callable[[], object], warmup: int, rep: int) -> float:
     """Median milliseconds of fn() on the current stream."""
     try:
@@ -126,23 +118,6 @@ def bench_ms(fn: Callable[[], object], warmup: int, rep: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
-
-
-def sm_clock_mhz() -> int | None:
-    """The current SM clock of the current device from nvidia-smi, or None where it cannot say."""
-    import subprocess
-
-    index = torch.cuda.current_device()
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits", "-i", str(index)],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
-        return int(out.splitlines()[0])
-    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
-        return None
 
 
 def _import_flash_attn4() -> None:
@@ -378,8 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     tags = (("_fp8", args.dtype == "fp8"), ("_mla", bool(args.hdim_v)), ("_quick", args.quick))
     suffix = "".join(tag for tag, on in tags if on)
     out = args.out or RESULTS / f"{gpu_slug(torch.cuda.get_device_name())}_{direction}{suffix}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(records, indent=1) + "\n")
+    write_results(records, out)
     print(format_table(records))
     errors = sorted({(r["impl"], r["error"]) for r in records if r.get("error")})
     for impl, err in errors:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import json
 import statistics
 import sys
 import time
@@ -27,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(ROOT / "benchmarks"))
-from bench_fwd import gpu_slug  # noqa: E402
+from results_file import default_path, sm_clock_mhz, write_results  # noqa: E402
 
 import flash_attn4  # noqa: E402
 
@@ -176,6 +175,7 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="also time the compiled StaticCache")
+    ap.add_argument("--out", type=Path, help="result file (default results/<gpu>_hf_generate.json)")
     ap.add_argument("--no-save", action="store_true")
     ap.add_argument("--profile", action="store_true", help="profile DynamicCache decode steps, no timing")
     args = ap.parse_args()
@@ -184,7 +184,7 @@ def main() -> None:
         profile(models, args)
         return
     variants = [("dynamic", False), ("static", False)] + ([("static", True)] if args.compile else [])
-    records = []
+    records, clocks = [], []
     for case in args.cases.split(","):
         b, s = (int(x) for x in case.split("x"))
         ids = torch.randint(0, 32000, (b, s), device="cuda")
@@ -197,6 +197,7 @@ def main() -> None:
                     t, outs[impl] = generate_s(models[impl], ids, args, cache, compiled)
                     if r:
                         times[impl].append(t)
+                        clocks.append(sm_clock_mhz())
             same = (outs["fa4"][:, s:] == outs["sdpa"][:, s:]).float().mean().item()
             med = {impl: statistics.median(ts) for impl, ts in times.items()}
             ratio = med["sdpa"] / med["fa4"]
@@ -209,16 +210,10 @@ def main() -> None:
                                     hdim=args.hidden // args.heads, dtype="bf16", causal=True, s=med[impl],
                                     s_rounds=ts, same_tokens=same))  # fmt: skip
     if not args.no_save:
-        gpu = gpu_slug(torch.cuda.get_device_name())
         import transformers
 
-        meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
-                    transformers=transformers.__version__)  # fmt: skip
-        for r in records:
-            r.update(meta)
-        path = ROOT / "benchmarks" / "results" / f"{gpu}_hf_generate.json"
-        path.write_text(json.dumps(records, indent=1))
-        print(f"wrote {path}")
+        path = args.out or default_path("hf_generate")
+        print(f"wrote {write_results(records, path, clocks, transformers=transformers.__version__)}")
 
 
 if __name__ == "__main__":

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import sys
 from pathlib import Path
 
 import torch
+from results_file import sm_clock_mhz, write_results  # benchmarks/ is on sys.path when run as a script
 
 
 class Trainer:
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         model.set_attn_implementation(impl)
         model.train()
         trainers[impl] = Trainer(model)
-    times = {impl: [] for impl in impls}
+    times, clocks = {impl: [] for impl in impls}, []
     for r in range(args.rounds):
         order = impls if r % 2 == 0 else impls[::-1]
         round_ms = {}
@@ -111,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             t = trainers[impl].run(ids, args.steps, args.warmup if r == 0 else 0)
             times[impl] += t
             round_ms[impl] = statistics.median(t)
+            clocks.append(sm_clock_mhz())
         print(
             f"round {r + 1}/{args.rounds}: "
             + "  ".join(f"{impl} {round_ms[impl]:.2f} ms" for impl in impls)
@@ -127,9 +128,6 @@ def main(argv: list[str] | None = None) -> int:
             "tokens_per_s": args.batch * args.seqlen / (ms * 1e-3),
             **{k: getattr(args, k) for k in ("hidden", "heads", "layers", "seqlen", "batch", "steps")},
             "rounds": args.rounds,
-            "gpu": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
         }
         records.append(rec)
         if args.profile:
@@ -142,8 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         f"loss difference {abs(ours['loss_first_step'] - sdpa['loss_first_step']):.2e}"
     )
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(records, indent=1) + "\n")
+        write_results(records, args.out, clocks, transformers=transformers.__version__)
     return 0
 
 

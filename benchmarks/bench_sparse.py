@@ -16,13 +16,13 @@ The estimator row times estimate_block_mask(q, k, density=0.1) against our dense
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import time
+from pathlib import Path
 
 import torch
-from bench_fwd import RESULTS, _import_flash_attn4, bench_ms, gpu_slug, sm_clock_mhz
+from bench_fwd import _import_flash_attn4, bench_ms
+from results_file import default_path, sm_clock_mhz, write_results
 
 S, H, D, BLK = 32768, 16, 128, 128
 
@@ -109,6 +109,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=25)
     ap.add_argument("--rep", type=int, default=100)
     ap.add_argument("--no-bwd", action="store_true", help="time the forward only")
+    ap.add_argument("--out", type=Path, help="result file (default benchmarks/results/<gpu>_sparse.json)")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
     _import_flash_attn4()
@@ -117,7 +118,6 @@ def main() -> int:
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]  # the backward's q, k, v
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"))
     base = dict(hdim=D, seqlen=S, causal=False, batch=1, nheads=H, dtype="bf16")
     records, clocks = [], []
     for density in (float(x) for x in args.densities.split(",")):
@@ -157,15 +157,10 @@ def main() -> int:
     records.append(
         dict(impl="estimate_block_mask", density=0.1, fwd_ms=est, fwd_vs_dense=dense / est, **base)
     )
-    seen = [c for c in clocks if c]
-    for r in records:
-        r.update(meta, sm_clock_mhz=[min(seen), max(seen)] if seen else None)
     if any(r["impl"] == "flash_attn4_sparse" and "error" in r for r in records):
         print("not saved: flash_attn4_sparse did not run on its kernels (a result file needs its column)")
     elif not args.no_save:
-        path = RESULTS / f"{gpu_slug(torch.cuda.get_device_name())}_sparse.json"
-        path.write_text(json.dumps(records, indent=1))
-        print(f"wrote {path}")
+        print(f"wrote {write_results(records, args.out or default_path('sparse'), clocks)}")
     return 0
 
 
