@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import math
 import os
 import statistics
@@ -33,7 +32,7 @@ from typing import Callable
 
 import torch
 from plot import format_table, plot_records  # benchmarks/ is on sys.path when run as a script
-from results_file import RESULTS, gpu_slug, sm_clock_mhz, write_results
+from results_file import default_path, sm_clock_mhz, write_results
 
 IMPLS = ["flash_attn4", "fa4_cute", "sdpa_cudnn", "sdpa_flash"]
 # --dtype fp8: flash_attn4_fp8 takes q, k, v quantized per head (flash_attn4.quantize_fp8, outside the timed
@@ -275,12 +274,6 @@ def run(args: argparse.Namespace) -> list[dict]:
     dtype = DTYPES[args.dtype]
     causals = {"0": [False], "1": [True], "both": [False, True]}[args.causal]
     grid = [(h, s, c) for h in args.hdims for s in args.seqlens for c in causals]
-    meta = {
-        "dtype": args.dtype,
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "date": datetime.date.today().isoformat(),
-    }
     records = []
     direction = "bwd" if args.bwd else "fwd"
     bar = tqdm(grid, desc=direction, unit="shape") if tqdm else grid
@@ -299,7 +292,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         recs, fns = {}, {}
         for impl in args.impls:
             rec = {"impl": impl, "hdim": hdim, "seqlen": seqlen, "causal": causal, "batch": batch}
-            rec.update(nheads=nheads, **meta)
+            rec.update(nheads=nheads, dtype=args.dtype)
             if dv != hdim:
                 rec["hdim_v"] = dv
             if args.dtype == "fp8":
@@ -352,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     direction = "bwd" if args.bwd else "fwd"
     tags = (("_fp8", args.dtype == "fp8"), ("_mla", bool(args.hdim_v)), ("_quick", args.quick))
     suffix = "".join(tag for tag, on in tags if on)
-    out = args.out or RESULTS / f"{gpu_slug(torch.cuda.get_device_name())}_{direction}{suffix}.json"
+    out = args.out or default_path(direction + suffix)
     write_results(records, out)
     print(format_table(records))
     errors = sorted({(r["impl"], r["error"]) for r in records if r.get("error")})

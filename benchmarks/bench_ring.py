@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             mp.spawn(_worker, args=(n, _free_port(), args, out), nprocs=n, join=True)
             records += json.loads(Path(out).read_text())
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    meta = dict(gpu=name, torch=torch.__version__, date=time.strftime("%Y-%m-%d"), device=args.device)
+    meta = dict(gpu=name, device=args.device)  # "cpu" runs name no GPU; the writer adds torch and the date
     for r in records:
         r.update(meta)
     print(format_table(records))

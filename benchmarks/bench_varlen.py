@@ -51,9 +51,9 @@ def _grad_fn(fn, q, k, v):
 
 
 def _alternate(fns: dict, rounds: int, warmup: int, rep: int, clocks: list) -> dict:
-    """Median milliseconds of each callable over `rounds` turns, the order reversed every other turn, so
-    that clock and temperature drift land on all alike. A callable that raises is timed no more; its entry
-    is the error message."""
+    """Milliseconds of each callable in each of `rounds` turns, the order reversed every other turn, so that
+    clock and temperature drift land on all alike. A callable that raises is timed no more; its entry is the
+    error message instead of the list."""
     ms: dict = {key: [] for key in fns}
     for r in range(rounds):
         for key in list(fns)[:: 1 if r % 2 == 0 else -1]:
@@ -64,9 +64,12 @@ def _alternate(fns: dict, rounds: int, warmup: int, rep: int, clocks: list) -> d
             except Exception as e:  # one impl failing on one case must not end the run
                 ms[key] = f"{type(e).__name__}: {e}"[:300]
             clocks.append(sm_clock_mhz())
-    return {key: v if isinstance(v, str) else statistics.median(v) for key, v in ms.items()} | {
-        ("rounds", key): v for key, v in ms.items() if not isinstance(v, str)
-    }
+    return ms
+
+
+def _median(x):
+    """The median of a list of round times; an error message (or None) as it is."""
+    return statistics.median(x) if isinstance(x, list) else x
 
 
 def _attn(impl: str):
@@ -127,7 +130,7 @@ def window_rows(args, clocks: list) -> list[dict]:
                     errors[(impl, case)] = f"{type(e).__name__}: {e}"[:300]
         ms = _alternate(fns, args.rounds, args.warmup, args.window_rep, clocks) | errors
         for impl in args.impls:
-            full, win, probe = (ms.get((impl, case)) for case in ("full", "window", "probe"))
+            full, win, probe = (_median(ms.get((impl, case))) for case in ("full", "window", "probe"))
             row = {
                 "impl": impl,
                 "kind": "window",
@@ -144,7 +147,7 @@ def window_rows(args, clocks: list) -> list[dict]:
                 rows.append(dict(row, error=bad[0]))
                 print(f"window {direction} {impl}: {bad[0]}", flush=True)
                 continue
-            fr, wr = ms[("rounds", (impl, "full"))], ms[("rounds", (impl, "window"))]
+            fr, wr = ms[(impl, "full")], ms[(impl, "window")]
             rows.append(
                 dict(
                     row,
@@ -206,7 +209,7 @@ def varlen_rows(args, clocks: list) -> list[dict]:
                     errors[(impl, case)] = f"{type(e).__name__}: {e}"[:300]
         ms = _alternate(fns, args.rounds, args.warmup, args.rep, clocks) | errors
         for impl in args.impls:
-            t_var, t_eq = ms[(impl, "varlen")], ms[(impl, "equal")]
+            t_var, t_eq = _median(ms[(impl, "varlen")]), _median(ms[(impl, "equal")])
             row = {
                 "impl": impl,
                 "kind": "varlen",
