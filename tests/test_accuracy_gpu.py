@@ -1,8 +1,9 @@
 """Accuracy beside the anchors: on the same bf16 inputs (2 x 1024 tokens x 8 heads, standard normal), our max
-absolute error against fp64 attention in out, dq, dk and dv is at most 1.1x the smaller of cuDNN SDPA's and
-FlashAttention-4's (flash_attn.cute, where it imports), at every built head dim, causal and not. The
-measurement is benchmarks/accuracy_anchors.py's (which also prints the table over several seeds); here one
-seed. Without any anchor on the machine the test skips and says so.
+absolute error against fp64 attention in out, dq, dk and dv, the largest over three seeds, is at most 1.1x the
+smaller of cuDNN SDPA's and FlashAttention-4's (flash_attn.cute, where it imports), at every built head dim,
+causal and not. The measurement is benchmarks/accuracy_anchors.py's table. Three seeds, not one: a max error is
+one element, and which implementation's rounding lands worst on it changes from seed to seed while the RMS
+errors agree. Without any anchor on the machine the test skips and says so.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import torch
 from flash_attn4 import _build_info
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from accuracy_anchors import ANCHORS, NAMES, available, max_errors  # noqa: E402
+from accuracy_anchors import ANCHORS, NAMES, available, max_errors, worst_over_seeds  # noqa: E402
 
 BOUND = 1.1  # issue 31: at most 1.1x the better anchor
+SEEDS = 3
 HDIMS = list(_build_info.HDIMS) or [64, 96, 128, 192, 256]
 
 
@@ -31,7 +33,8 @@ def test_error_within_the_better_anchor(hdim, causal):
     arch, why = _build_info.kernel_available(torch.device("cuda"), torch.bfloat16, hdim)
     if arch is None:
         pytest.skip(f"flash_attn4 CUDA kernels unavailable: {why}")
-    errors = max_errors(hdim, causal, seed=0, impls=["flash_attn4", *available(ANCHORS)])
+    impls = ["flash_attn4", *available(ANCHORS)]
+    errors = worst_over_seeds([max_errors(hdim, causal, seed, impls) for seed in range(SEEDS)])
     ours = errors.pop("flash_attn4")
     assert isinstance(ours, dict), f"flash_attn4 failed: {ours}"
     ran = {name: e for name, e in errors.items() if isinstance(e, dict)}
