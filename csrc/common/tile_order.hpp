@@ -50,10 +50,12 @@ struct TileOrder {
   int big;          // head-batches of the first num_big groups; the others have big - 1
   int num_big;
 
-  // tail_blocks: 0 <= tail_blocks <= num_blocks (see the top of this file).
+  // tail_blocks: 0 <= tail_blocks <= num_blocks (see the top of this file). group_tiles: the tiles of a group
+  // (make_bwd says why the backward takes fewer).
   template <int kHeadDim>
-  FLASH4_HOST_DEVICE static TileOrder make(int num_blocks, int num_heads, int num_batch, int tail_blocks = 0) {
-    constexpr int kGroupTiles = 512 * 128 / kHeadDim;
+  FLASH4_HOST_DEVICE static TileOrder make(int num_blocks, int num_heads, int num_batch, int tail_blocks = 0,
+                                           int group_tiles = 512 * 128 / kHeadDim) {
+    const int kGroupTiles = group_tiles;
     TileOrder o{};
     o.num_heads = num_heads;
     o.head_blocks = num_blocks - tail_blocks;
@@ -65,6 +67,19 @@ struct TileOrder {
     o.num_big = o.hb_total - small * num_groups;
     o.big = small + 1;
     return o;
+  }
+
+  // The backward's key tiles stream the Q and dO (16-bit) and dq_accum (fp32) rows of every query head of their
+  // kv head, 8 * head_dim bytes a row and query head, twice the forward's K and V per row, times the GQA ratio;
+  // and dq_accum is read-modified-written in the L2. A group takes 16 MB of those: a quarter of the forward's
+  // tiles over the GQA ratio. At 1k tokens, head dim 64, that is 32 heads a group instead of 128, whose 132
+  // CTAs in flight otherwise each stream their own head's Q / dO, reread by the head's other key tiles after
+  // the L2 has moved on (an LRU model of the launch order: HBM reads 2-4x the compulsory bytes -> 1x).
+  template <int kHeadDim>
+  FLASH4_HOST_DEVICE static TileOrder make_bwd(int num_blocks, int nheads_kv, int num_batch, int tail_blocks,
+                                               int gqa_ratio) {
+    const int tiles = 512 * 128 / kHeadDim / 4 / (gqa_ratio > 0 ? gqa_ratio : 1);
+    return make<kHeadDim>(num_blocks, nheads_kv, num_batch, tail_blocks, tiles > 0 ? tiles : 1);
   }
 
   // Tile of launch index `linear`.

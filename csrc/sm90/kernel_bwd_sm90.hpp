@@ -48,7 +48,8 @@ struct BwdKernelSm90 {
 
   static Params to_params(BwdParams const& p) {
     const dim3 g = grid(p);
-    const TileOrder order = kMasked ? TileOrder::make<kHeadDim>(int(g.x), int(g.y), int(g.z), Mainloop::tail_blocks(p))
+    const TileOrder order = kMasked ? TileOrder::make_bwd<kHeadDim>(int(g.x), int(g.y), int(g.z), Mainloop::tail_blocks(p),
+                                                                     p.nheads_q / p.nheads_kv)
                                     : TileOrder{};
     return {Mainloop::to_params(p), Epilogue::to_params(p), order, p.trace};
   }

@@ -2,7 +2,8 @@
 // (block, head, batch) tiles, every head sees its blocks in launch order 0, 1, 2, ... (what the deterministic
 // backward's reversed key order relies on: key block n + 1 launches before n), groups are balanced, and a
 // group's tiles are contiguous in launch order; with tail blocks (sliding windows), the same bijection and
-// per-head order, and every tail tile after every other tile.
+// per-head order, and every tail tile after every other tile. The backward's order (make_bwd) keeps all of that
+// with smaller groups: a quarter of the forward's tiles over the GQA ratio.
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -20,11 +21,13 @@ static int failures = 0;
     }                                     \
   } while (0)
 
+// gqa > 0: the backward's order for that GQA ratio.
 template <int kHeadDim>
-void check(int blocks, int heads, int batch, int tail = 0) {
+void check(int blocks, int heads, int batch, int tail = 0, int gqa = 0) {
   const int total = blocks * heads * batch;
   std::vector<int> seen(total, 0), next_block(heads * batch, 0);
-  const flash4::TileOrder order = flash4::TileOrder::make<kHeadDim>(blocks, heads, batch, tail);
+  const flash4::TileOrder order = gqa > 0 ? flash4::TileOrder::make_bwd<kHeadDim>(blocks, heads, batch, tail, gqa)
+                                          : flash4::TileOrder::make<kHeadDim>(blocks, heads, batch, tail);
   for (int linear = 0; linear < total; ++linear) {
     const flash4::TileCoord t = order(linear);
     CHECK((t.block >= blocks - tail) == (linear >= (blocks - tail) * heads * batch),
@@ -76,13 +79,26 @@ int main() {
         check<64>(n, h, b);
         check<128>(n, h, b);
         check<256>(n, h, b);
+        for (int gqa : {1, 4, 8}) check<64>(n, h, b, 0, gqa), check<128>(n, h, b, 0, gqa);
         for (int tail : {1, n / 3, n - 1, n}) {
           if (tail < 1 || tail > n) continue;
           check<128>(n, h, b, tail);
-          ++cases;
+          check<128>(n, h, b, tail, 4);
+          cases += 2;
         }
-        cases += 3;
+        cases += 9;
       }
+  // Group sizes in head-batches: 1k tokens (8 blocks), 32 heads, batch 16, head dim 64. The forward's 32 MB of
+  // K / V hold 128 head-batches, the backward's 16 MB of Q / dO / dq_accum 32, over the GQA ratio.
+  const auto first_group = [](flash4::TileOrder const& o) {
+    int size = 0;
+    while (o(size).block == 0) ++size;
+    return size;
+  };
+  CHECK(first_group(flash4::TileOrder::make<64>(8, 32, 16)) == 128, "forward group");
+  CHECK(first_group(flash4::TileOrder::make_bwd<64>(8, 32, 16, 0, 1)) == 32, "backward group");
+  CHECK(first_group(flash4::TileOrder::make_bwd<64>(8, 8, 16, 0, 4)) == 8, "backward GQA 4 group");
+  CHECK(first_group(flash4::TileOrder::make_bwd<256>(64, 8, 1, 0, 8)) == 1, "backward group of one");
   if (failures) {
     std::printf("%d failures\n", failures);
     return 1;
