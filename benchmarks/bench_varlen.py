@@ -276,6 +276,7 @@ def plot(rows: list[dict], path: Path) -> None:
                         va="bottom",
                         fontsize=7,
                     )
+        a.set_ylim(top=a.get_ylim()[1] * 1.12)  # room for the labels above the tallest bar
         a.set_xticks(range(len(dirs)), dirs)
         a.set_ylabel("ms (lower is better); (x) = speedup over full causal")
         a.set_title(f"causal, window {win[0]['window_left']}, seqlen {win[0]['seqlen']}")
