@@ -1,9 +1,9 @@
 """Accuracy beside the anchors: on the same bf16 inputs (2 x 1024 tokens x 8 heads, standard normal), our max
-absolute error against fp64 attention in out, dq, dk and dv, the largest over three seeds, is at most 1.1x the
-smaller of cuDNN SDPA's and FlashAttention-4's (flash_attn.cute, where it imports), at every built head dim,
-causal and not. The measurement is benchmarks/accuracy_anchors.py's table. Three seeds, not one: a max error is
-one element, and which implementation's rounding lands worst on it changes from seed to seed while the RMS
-errors agree. Without any anchor on the machine the test skips and says so.
+absolute error against fp64 attention in out, dq, dk and dv, the largest over three seeds, is at most 1.1x
+the smaller of cuDNN SDPA's and FlashAttention-4's (flash_attn.cute, where it imports), at every built head
+dim, causal and not. The measurement is benchmarks/accuracy_anchors.py's table. Three seeds, not one: a max
+error is one element, and which implementation's rounding lands worst on it changes from seed to seed while
+the RMS errors agree. Without any anchor on the machine the test skips and says so.
 """
 
 from __future__ import annotations
