@@ -6,8 +6,8 @@
 // list-scheduling simulation over 132 SMs puts batch 2 x 16 heads x 4096 tokens (32 blocks a head) at 13%
 // over the ideal makespan, 4096 x 4 batches at 7%, 2048 x 8 at 7%. Heaviest-first over the whole grid removes
 // the tail but spreads the CTAs running at once over every head, each streaming its own K/V (forward) or
-// Q/dO (backward) past the L2. So heads go in groups of about kGroupTiles / num_blocks (the group's K and V,
-// 4 * kGroupTiles * 128 * head_dim bytes = 32 MB, fit in the 50-60 MB L2 of an H100/H200), and inside a group
+// Q/dO (backward) past the L2. So heads go in groups of about group_tiles / num_blocks (forward: the group's K
+// and V, 4 * group_tiles * 128 * head_dim bytes = 32 MB; the backward's groups in make_bwd), and inside a group
 // the block index is the slow one: the heaviest tile of every head of the group first, then the next. The
 // same simulation: every shape above within 1.1% of the ideal; long sequences (16k, 32k), already within
 // 1%, stay there. Groups are balanced (sizes differ by at most one, the larger ones first) so that no small
@@ -55,12 +55,11 @@ struct TileOrder {
   template <int kHeadDim>
   FLASH4_HOST_DEVICE static TileOrder make(int num_blocks, int num_heads, int num_batch, int tail_blocks = 0,
                                            int group_tiles = 512 * 128 / kHeadDim) {
-    const int kGroupTiles = group_tiles;
     TileOrder o{};
     o.num_heads = num_heads;
     o.head_blocks = num_blocks - tail_blocks;
     o.hb_total = num_heads * num_batch;
-    int target = o.head_blocks > 0 ? kGroupTiles / o.head_blocks : 1;
+    int target = o.head_blocks > 0 ? group_tiles / o.head_blocks : 1;
     target = target < 1 ? 1 : (target > o.hb_total ? o.hb_total : target);
     const int num_groups = (o.hb_total + target - 1) / target;
     const int small = o.hb_total / num_groups;
@@ -74,7 +73,7 @@ struct TileOrder {
   // and dq_accum is read-modified-written in the L2. A group takes 16 MB of those: a quarter of the forward's
   // tiles over the GQA ratio. At 1k tokens, head dim 64, that is 32 heads a group instead of 128, whose 132
   // CTAs in flight otherwise each stream their own head's Q / dO, reread by the head's other key tiles after
-  // the L2 has moved on (an LRU model of the launch order: HBM reads 2-4x the compulsory bytes -> 1x).
+  // the L2 has moved on (tools/l2_model.py: HBM reads 2-4x the compulsory bytes -> 1x).
   template <int kHeadDim>
   FLASH4_HOST_DEVICE static TileOrder make_bwd(int num_blocks, int nheads_kv, int num_batch, int tail_blocks,
                                                int gqa_ratio) {
