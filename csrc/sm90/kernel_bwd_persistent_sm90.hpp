@@ -85,8 +85,8 @@ struct BwdPersistentKernelSm90 {
 
   static Params to_params(BwdParams const& p) {
     const int n_blocks = Mainloop::num_n_blocks(p);
-    const TileOrder order = TileOrder::make_bwd<Traits::kHeadDim>(n_blocks, p.nheads_kv, p.batch, Mainloop::tail_blocks(p),
-                                                                 p.nheads_q / p.nheads_kv);
+    const TileOrder order = TileOrder::make_bwd<Traits::kHeadDim>(n_blocks, p.nheads_kv, p.batch,
+                                                                 Mainloop::tail_blocks(p), p.nheads_q / p.nheads_kv);
     return {Mainloop::to_params(p), Epilogue::to_params(p), DkvStore::to_params(p), order, n_blocks, num_tiles(p),
             p.tile_counter, p.trace};
   }

@@ -48,9 +48,10 @@ struct BwdKernelSm90 {
 
   static Params to_params(BwdParams const& p) {
     const dim3 g = grid(p);
-    const TileOrder order = kMasked ? TileOrder::make_bwd<kHeadDim>(int(g.x), int(g.y), int(g.z), Mainloop::tail_blocks(p),
-                                                                     p.nheads_q / p.nheads_kv)
-                                    : TileOrder{};
+    const int gqa = p.nheads_q / p.nheads_kv;
+    const TileOrder order =
+        kMasked ? TileOrder::make_bwd<kHeadDim>(int(g.x), int(g.y), int(g.z), Mainloop::tail_blocks(p), gqa)
+                : TileOrder{};
     return {Mainloop::to_params(p), Epilogue::to_params(p), order, p.trace};
   }
 
