@@ -3,7 +3,7 @@
 // backward's reversed key order relies on: key block n + 1 launches before n), groups are balanced, and a
 // group's tiles are contiguous in launch order; with tail blocks (sliding windows), the same bijection and
 // per-head order, and every tail tile after every other tile. The backward's order (make_bwd) keeps all of that
-// with smaller groups: a quarter of the forward's tiles over the GQA ratio.
+// with smaller groups at head dims 64 and 128: a quarter of the forward's tiles over the GQA ratio.
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -79,6 +79,7 @@ int main() {
         check<64>(n, h, b);
         check<128>(n, h, b);
         check<256>(n, h, b);
+        check<256>(n, h, b, 0, 2);
         for (int gqa : {1, 4, 8}) check<64>(n, h, b, 0, gqa), check<128>(n, h, b, 0, gqa);
         for (int tail : {1, n / 3, n - 1, n}) {
           if (tail < 1 || tail > n) continue;
@@ -86,7 +87,7 @@ int main() {
           check<128>(n, h, b, tail, 4);
           cases += 2;
         }
-        cases += 9;
+        cases += 10;
       }
   // Group sizes in head-batches: 1k tokens (8 blocks), 32 heads, batch 16, head dim 64. The forward's 32 MB of
   // K / V hold 128 head-batches, the backward's 16 MB of Q / dO / dq_accum 32, over the GQA ratio.
@@ -98,7 +99,9 @@ int main() {
   CHECK(first_group(flash4::TileOrder::make<64>(8, 32, 16)) == 128, "forward group");
   CHECK(first_group(flash4::TileOrder::make_bwd<64>(8, 32, 16, 0, 1)) == 32, "backward group");
   CHECK(first_group(flash4::TileOrder::make_bwd<64>(8, 8, 16, 0, 4)) == 8, "backward GQA 4 group");
-  CHECK(first_group(flash4::TileOrder::make_bwd<256>(64, 8, 1, 0, 8)) == 1, "backward group of one");
+  CHECK(first_group(flash4::TileOrder::make_bwd<128>(64, 8, 1, 0, 8)) == 1, "backward group of one");
+  // Head dim 256 keeps the forward's groups (tile_order.hpp says why): 256 tiles, 4 head-batches at 8k.
+  CHECK(first_group(flash4::TileOrder::make_bwd<256>(64, 8, 2, 0, 1)) == 4, "backward group at head dim 256");
   if (failures) {
     std::printf("%d failures\n", failures);
     return 1;
