@@ -69,22 +69,22 @@ struct TileOrder {
   }
 
   // The backward's key tiles stream the Q and dO (16-bit) and dq_accum (fp32) rows of every query head of their
-  // kv head, 8 * head_dim bytes a row and query head, twice the forward's K and V per row, times the GQA ratio;
-  // and dq_accum is read-modified-written in the L2. A group takes 16 MB of those: a quarter of the forward's
-  // tiles over the GQA ratio. At 1k tokens, head dim 64, that is 32 heads a group instead of 128, whose 132
-  // CTAs in flight otherwise each stream their own head's Q / dO, reread by the head's other key tiles after
-  // the L2 has moved on (tools/l2_model.py: HBM reads 2-4x the compulsory bytes -> 1x). Measured at head dims 64
-  // and 128; the others keep the forward's groups: at 96 and 256 the same model has the smaller groups' tails
-  // cost 2-11% of the makespan from 2k tokens (at 256, 8k: groups of one head-batch, 64 tiles for 132 SMs).
+  // kv head, 8 * head_dim bytes a row and query head, twice the forward's K and V per row; and dq_accum is
+  // read-modified-written in the L2. A group takes 16 MB of those: a quarter of the forward's tiles. At 1k
+  // tokens, head dim 64, that is 32 heads a group instead of 128, whose 132 CTAs in flight otherwise each stream
+  // their own head's Q / dO, reread by the head's other key tiles after the L2 has moved on (tools/l2_model.py:
+  // HBM reads 2-4x the compulsory bytes -> 1x). Measured at head dims 64 and 128 without GQA; everything else
+  // keeps the forward's groups. There the same model has smaller groups' tails cost 2-5% of the makespan at
+  // head dim 96 and 9-11% at 256 from 2k tokens, and GQA's 16 MB (over the ratio) a group of one kv head-batch
+  // at 8k: 64 tiles for 132 SMs, +11% at a ratio of 4.
   template <int kHeadDim>
   FLASH4_HOST_DEVICE static TileOrder make_bwd(int num_blocks, int nheads_kv, int num_batch, int tail_blocks,
                                                int gqa_ratio) {
-    if constexpr (kHeadDim != 64 && kHeadDim != 128) {
-      return make<kHeadDim>(num_blocks, nheads_kv, num_batch, tail_blocks);
-    } else {
-      const int tiles = 512 * 128 / kHeadDim / 4 / (gqa_ratio > 0 ? gqa_ratio : 1);
-      return make<kHeadDim>(num_blocks, nheads_kv, num_batch, tail_blocks, tiles > 0 ? tiles : 1);
+    if constexpr (kHeadDim == 64 || kHeadDim == 128) {
+      constexpr int kTiles = 512 * 128 / kHeadDim / 4;
+      if (gqa_ratio == 1) return make<kHeadDim>(num_blocks, nheads_kv, num_batch, tail_blocks, kTiles);
     }
+    return make<kHeadDim>(num_blocks, nheads_kv, num_batch, tail_blocks);
   }
 
   // Tile of launch index `linear`.
