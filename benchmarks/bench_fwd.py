@@ -8,15 +8,17 @@
     python3 benchmarks/bench_fwd.py --seqlens 8192 --impls flash_attn4,flash_attn4_sinks --out sinks.json
     python3 benchmarks/bench_fwd.py --dtype fp8    # our e4m3 forward beside our bf16 one, FA4 and cuDNN
                                                    # (bf16) and an e4m3 matmul, into <gpu>_fwd_fp8.json
+    python3 benchmarks/bench_fwd.py --bwd --gqa 4  # k / v with a quarter of q's heads: <gpu>_bwd_gqa4.json
 
 Shapes follow the FlashAttention papers: batch * seqlen = 16384 tokens, nheads * headdim = 2048, q/k/v of
-equal shape, random normal inputs. Forward FLOPs = 4 * b * h * s^2 * d, halved when causal; backward
-FLOPs = 2.5x that. Times are do_bench medians (CUDA-event medians when triton is missing); every shape
-takes --rounds rounds (default 3) with the implementations alternating (the order reversed every other
-round), and records the median of the rounds, each round's time and the SM clock nvidia-smi reported
-during them (the card may be power-capped: compare implementations within a run). Forward: only
-the attention call is timed. Backward: only the gradient computation, `torch.autograd.grad(out, (q, k, v),
-dout)` on a graph recorded once (retain_graph), so no forward is inside the timed call.
+equal shape (--gqa N: k and v with nheads / N heads; SDPA then runs with enable_gqa), random normal inputs.
+Forward FLOPs = 4 * b * h * s^2 * d, halved when causal; backward FLOPs = 2.5x that. Times are do_bench
+medians (CUDA-event medians when triton is missing); every shape takes --rounds rounds (default 3) with the
+implementations alternating (the order reversed every other round), and records the median of the rounds, each
+round's time and the SM clock nvidia-smi reported during them (the card may be power-capped: compare
+implementations within a run). Forward: only the attention call is timed. Backward: only the gradient
+computation, `torch.autograd.grad(out, (q, k, v), dout)` on a graph recorded once (retain_graph), so no
+forward is inside the timed call.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--hdim-v", type=int, help="v's head dim when it differs from q / k's (MLA: --hdims 192 --hdim-v 128)"
     )
     ap.add_argument("--bwd", action="store_true", help="time the backward instead of the forward")
+    ap.add_argument("--gqa", type=int, default=1, help="query heads per kv head (default 1)")
     ap.add_argument("--deterministic", action="store_true", help="flash_attn4 with deterministic=True")
     ap.add_argument("--warmup", type=int, default=25, help="do_bench warmup (ms)")
     ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time (ms)")
@@ -87,6 +90,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.hdims, args.seqlens, args.causal = HDIMS, [4096, 8192], "both"
     if args.dtype == "fp8" and args.bwd:
         ap.error("the fp8 kernels are forward-only")
+    bad = [h for h in args.hdims if args.gqa < 1 or (WIDTH // h) % args.gqa]
+    if bad:
+        ap.error(f"--gqa {args.gqa} must divide the query heads ({WIDTH} // head dim) at head dims {bad}")
     default = FP8_IMPLS if args.dtype == "fp8" else IMPLS
     args.impls = [i.strip() for i in args.impls.split(",") if i.strip()] if args.impls else default
     known = set(IMPLS) | set(OPTIONAL_IMPLS) | set(FP8_IMPLS)
@@ -214,7 +220,8 @@ def make_impl(name: str, q, k, v, causal: bool, bwd: bool = False, deterministic
 
         backend = SDPBackend.FLASH_ATTENTION if name == "sdpa_flash" else SDPBackend.CUDNN_ATTENTION
         p = DROPOUT_P if name == "sdpa_cudnn_dropout" else 0.0
-        fwd = lambda q, k, v: sdpa(q, k, v, is_causal=causal, dropout_p=p)  # noqa: E731
+        gqa = {"enable_gqa": True} if q.shape[2] != k.shape[2] else {}  # (b, s, h, d) here
+        fwd = lambda q, k, v: sdpa(q, k, v, is_causal=causal, dropout_p=p, **gqa)  # noqa: E731
         # sdpa_kernel's context manager is single-use: a new one for every timed round.
         layout, ctx = (lambda t: t.transpose(1, 2).contiguous()), (lambda: sdpa_kernel(backend))
     else:
@@ -283,7 +290,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         batch, nheads = max(1, TOKENS // seqlen), WIDTH // hdim
         dv = args.hdim_v or hdim
         q, k, v = (
-            torch.randn(batch, seqlen, nheads, e, dtype=dtype, device="cuda") for e in (hdim, hdim, dv)
+            torch.randn(batch, seqlen, h, e, dtype=dtype, device="cuda")
+            for h, e in ((nheads, hdim), (nheads // args.gqa, hdim), (nheads // args.gqa, dv))
         )
         # Per (query, key) pair: Q K^T and P V forward (2 (d + dv)); the backward recomputes Q K^T and runs
         # dO V^T, P^T dO, dS K, dS^T Q (2 (3 d + 2 dv): 2.5x the forward when dv = d).
@@ -295,6 +303,8 @@ def run(args: argparse.Namespace) -> list[dict]:
             rec.update(nheads=nheads, dtype=args.dtype)
             if dv != hdim:
                 rec["hdim_v"] = dv
+            if args.gqa > 1:
+                rec["nheads_kv"] = nheads // args.gqa
             if args.dtype == "fp8":
                 rec["dtype"] = "fp8_e4m3" if impl in ("flash_attn4_fp8", "fp8_matmul") else "bf16"
             if impl == "flash_attn4" and args.deterministic:
@@ -343,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     args.impls = available_impls(args.impls)
     records = run(args)
     direction = "bwd" if args.bwd else "fwd"
-    tags = (("_fp8", args.dtype == "fp8"), ("_mla", bool(args.hdim_v)), ("_quick", args.quick))
+    tags = (("_fp8", args.dtype == "fp8"), ("_mla", bool(args.hdim_v)), (f"_gqa{args.gqa}", args.gqa > 1))
+    tags += (("_quick", args.quick),)
     suffix = "".join(tag for tag, on in tags if on)
     out = args.out or default_path(direction + suffix)
     write_results(records, out)

@@ -60,3 +60,12 @@ def test_bench_varlen_plot_of_two_impls_and_an_error(tmp_path):
     )
     bench_varlen.plot(rows, tmp_path / "v.png")
     assert (tmp_path / "v.png").stat().st_size > 10_000
+
+
+def test_bench_fwd_gqa_must_divide_the_heads(capsys):
+    import bench_fwd
+
+    assert bench_fwd.parse_args(["--gqa", "4"]).gqa == 4  # 32 / 16 / 8 query heads at 64 / 128 / 256
+    with pytest.raises(SystemExit):
+        bench_fwd.parse_args(["--gqa", "16", "--hdims", "128,256"])  # 8 heads at 256
+    assert "at head dims [256]" in capsys.readouterr().err
