@@ -67,3 +67,13 @@ def test_backward_groups_read_the_streams_once():
     assert forward_groups["reads"] > 2.0
     assert own_groups["reads"] == pytest.approx(1.0, abs=0.01)
     assert own_groups["makespan"] <= 1.02 * own_groups["ideal"]
+
+
+@pytest.mark.parametrize("policy", ["lru", "random"])
+def test_policies_agree_where_everything_fits(policy):
+    shape = dict(direction="bwd", seqlen=2048, hdim=64, batch=4, heads=8, group_tiles=fwd_group_tiles(64))
+    assert simulate(**shape, l2_mb=1024, policy=policy)["reads"] == 1.0  # every block once
+    small = simulate(**shape, l2_mb=1, policy=policy)["reads"]
+    assert small > 1.5  # 1 MB: 16 blocks of 64 KB, one head's, while the CTAs in flight sweep 32 heads
+    if policy == "random":  # a share of a sweep survives random eviction, none survives LRU
+        assert small < simulate(**shape, l2_mb=1, policy="lru")["reads"]

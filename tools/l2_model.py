@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""How many bytes the launch order of a causal grid makes the kernels read from HBM: an LRU model of the L2.
+"""How many bytes the launch order of a causal grid makes the kernels read from HBM: a model of the L2.
 
     python3 tools/l2_model.py                          # fwd and bwd, head dims 64 / 128, 1k / 2k / 8k tokens
     python3 tools/l2_model.py --direction bwd --hdims 64 --seqlens 1024 --group-div 1,4 --l2-mb 25,50
@@ -15,7 +15,11 @@ is a sequence of equal steps, each reading one 128-row block of the streamed ope
 - backward: key tile n reads Q, dO (16-bit) and dq_accum (fp32) blocks n, ..., num_blocks - 1 of each of its
   kv head's `--gqa` query heads: 8 * head_dim * gqa bytes a row.
 
-The L2 is one LRU set of `--l2-mb` megabytes of such blocks. An H100 / H200 has 50 / 60 MB in two partitions,
+The L2 is one fully associative set of `--l2-mb` megabytes of such blocks, least recently used out first
+(`--policy lru`) or a random one (`--policy random`, seeded). LRU is the optimistic model while a group's
+streams fit and the pessimistic one once they do not: concurrent sweeps over more blocks than it holds miss on
+every read (6-30x the compulsory bytes at 8k tokens and head dim 256 or GQA, which the measured speed there
+rules out), where random replacement keeps a share. An H100 / H200 has 50 / 60 MB in two partitions,
 so both 25 and 50 MB are printed; the measured backward follows 25 MB (its +13% at head dim 128, 1k tokens, is
 predicted there only; docs/design.md, "Grouped heads, heaviest first"). Printed: the group size in
 head-batches, the reads of the streamed operands over their compulsory bytes (1.00 = each block read from HBM
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import random
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -90,6 +95,8 @@ def simulate(
     sms: int = 132,
     gqa: int = 1,
     overhead: float = 0.5,
+    policy: str = "lru",
+    seed: int = 0,
 ) -> dict:
     """One causal grid through the model. heads: kv heads for the backward (its grid's y), query heads for the
     forward. overhead: steps a tile costs outside its loop."""
@@ -98,7 +105,10 @@ def simulate(
     at, group = tile_order(nb, heads, batch, group_tiles)
     row_bytes = 4 * hdim if direction == "fwd" else 8 * hdim * gqa
     capacity = max(1, int(l2_mb * 2**20) // (BLOCK * row_bytes))
-    lru: OrderedDict = OrderedDict()
+    lru: OrderedDict = OrderedDict()  # policy "lru": the blocks held, least recently used first
+    held: list = []  # policy "random": the blocks held, and where each sits in the list
+    where: dict = {}
+    rng = random.Random(seed)
     misses = 0
 
     def steps(linear: int) -> list[tuple[int, int, int]]:
@@ -118,7 +128,18 @@ def simulate(
         st = running.setdefault(linear, steps(linear))
         if k < len(st):
             key = st[k]
-            if key in lru:
+            if policy == "random":
+                if key not in where:
+                    misses += 1
+                    if len(held) >= capacity:  # evict a random block: the last one moves into its place
+                        i = rng.randrange(len(held))
+                        del where[held[i]]
+                        last = held.pop()
+                        if i < len(held):
+                            held[i], where[last] = last, i
+                    where[key] = len(held)
+                    held.append(key)
+            elif key in lru:
                 lru.move_to_end(key)
             else:
                 misses += 1
@@ -157,6 +178,7 @@ def main() -> int:
         help="the forward's group (32 MB of K / V) over these; the backward's own (make_bwd) is 4 x gqa",
     )
     ap.add_argument("--sms", type=int, default=132)
+    ap.add_argument("--policy", choices=["lru", "random"], default="lru", help="which block the L2 evicts")
     args = ap.parse_args()
     dirs = ["fwd", "bwd"] if args.direction == "both" else [args.direction]
     print(
@@ -174,7 +196,9 @@ def main() -> int:
                 for div in args.group_div:
                     tiles = max(1, fwd_group_tiles(hdim) // div)
                     res = [
-                        simulate(d, seqlen, hdim, batch, heads, m, tiles, sms=args.sms, gqa=gqa)
+                        simulate(
+                            d, seqlen, hdim, batch, heads, m, tiles, sms=args.sms, gqa=gqa, policy=args.policy
+                        )
                         for m in args.l2_mb
                     ]
                     reads = " ".join(f"{r['reads']:>11.2f}" for r in res)
