@@ -1,12 +1,15 @@
 # Developer entry points. Build knobs come from the environment or the make command line and reach
 # setup.py unchanged (make exports both to recipes), e.g.:
 #   make build FLASH_ATTN4_HDIMS=128 FLASH_ATTN4_DTYPES=bf16 MAX_JOBS=8
-# BENCH_ARGS adds flags to the benchmark targets, e.g. make bench BENCH_ARGS="--hdims 128 --causal 1".
+# BENCH_ARGS adds flags to the bench_fwd.py targets, e.g. make bench-fwd BENCH_ARGS="--hdims 128 --causal 1";
+# DECODE_ARGS to bench-decode's (e.g. DECODE_ARGS="--pages 16"); FLASH_ATTN4_RESULTS_DIR=DIR puts every result
+# file in DIR instead of benchmarks/results.
 
 PYTHON ?= python3
 BENCH_ARGS ?=
+DECODE_ARGS ?=
 
-.PHONY: install build test bench bench-decode bench-varlen bench-ring bench-quick gpu-check gpu-sm80 compile-check lint format clean
+.PHONY: install build test bench bench-fwd bench-bwd bench-decode bench-varlen bench-ring bench-quick gpu-check gpu-sm80 compile-check lint format clean
 
 install:  ## build against the torch you run (no build isolation: ABI) and install
 	$(PYTHON) -m pip install --no-build-isolation -v .
@@ -17,14 +20,16 @@ build:  ## compile flash_attn4/_C in place, for working from the source tree
 test:  ## the README's test command; GPU tests skip (with the reason) without a GPU and built kernels
 	$(PYTHON) -m pytest -q tests
 
-bench:  ## the FlashAttention papers' grid, forward and backward -> benchmarks/results/<gpu>_{fwd,bwd}.json + .png; then windows/varlen, decode
+bench: bench-fwd bench-bwd bench-varlen bench-decode  ## all four below, one after the other
+
+bench-fwd:  ## the FlashAttention papers' grid, forward -> benchmarks/results/<gpu>_fwd.json + .png
 	$(PYTHON) benchmarks/bench_fwd.py $(BENCH_ARGS)
+
+bench-bwd:  ## the same grid, backward -> <gpu>_bwd.json + .png
 	$(PYTHON) benchmarks/bench_fwd.py --bwd $(BENCH_ARGS)
-	$(PYTHON) benchmarks/bench_varlen.py
-	$(PYTHON) benchmarks/bench_decode.py
 
 bench-decode:  ## decode from contiguous and paged KV caches, host time per call -> <gpu>_decode.json + .png
-	$(PYTHON) benchmarks/bench_decode.py $(BENCH_ARGS)
+	$(PYTHON) benchmarks/bench_decode.py $(DECODE_ARGS)
 
 bench-varlen:  ## window 4096 at 32k vs causal, varlen 64..8192 vs equal length -> benchmarks/results/<gpu>_varlen.json
 	$(PYTHON) benchmarks/bench_varlen.py

@@ -39,7 +39,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_fwd import _import_flash_attn4  # noqa: E402
-from results_file import RESULTS, gpu_slug, sm_clock_mhz, write_results  # noqa: E402
+from results_file import gpu_slug, results_dir, sm_clock_mhz, write_results  # noqa: E402
 
 # NCCL must not use NVLink SHARP / multicast on the lent machines (device README, KINDS.md).
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         r.update(meta)
     print(format_table(records))
     if not args.no_save:
-        print(f"wrote {write_results(records, args.out or RESULTS / f'{gpu_slug(name)}_ring.json')}")
+        print(f"wrote {write_results(records, args.out or results_dir() / f'{gpu_slug(name)}_ring.json')}")
     return 0
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import re
 import subprocess
 from collections.abc import Iterable
@@ -14,6 +15,12 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def results_dir() -> Path:
+    """Where result files go by default: $FLASH_ATTN4_RESULTS_DIR if set (a GPU machine whose outputs come
+    back from one folder, one `make bench-*` target a run), else benchmarks/results."""
+    return Path(os.environ.get("FLASH_ATTN4_RESULTS_DIR") or RESULTS)
 
 
 def gpu_slug(name: str) -> str:
@@ -50,8 +57,8 @@ def clock_range(clocks: Iterable[int | None]) -> list[int] | None:
 
 
 def default_path(stem: str) -> Path:
-    """benchmarks/results/<gpu>_<stem>.json for the current device."""
-    return RESULTS / f"{gpu_slug(device_name())}_{stem}.json"
+    """<results_dir()>/<gpu>_<stem>.json for the current device."""
+    return results_dir() / f"{gpu_slug(device_name())}_{stem}.json"
 
 
 def write_results(records: list[dict], path: Path, clocks: Iterable[int | None] | None = None, **meta):

@@ -35,11 +35,14 @@ def test_write_results_without_clocks_leaves_the_field_out(tmp_path):
     assert results_file.clock_range([None, None]) is None
 
 
-def test_default_path_names_the_gpu():
+def test_default_path_names_the_gpu(tmp_path, monkeypatch):
     assert results_file.gpu_slug("NVIDIA H100 80GB HBM3") == "h100_80gb_hbm3"
     assert results_file.gpu_slug("NVIDIA H200") == "h200"
+    monkeypatch.delenv("FLASH_ATTN4_RESULTS_DIR", raising=False)
     path = results_file.default_path("varlen")
     assert path.parent == results_file.RESULTS and path.name.endswith("_varlen.json")
+    monkeypatch.setenv("FLASH_ATTN4_RESULTS_DIR", str(tmp_path))  # a GPU machine's return folder
+    assert results_file.default_path("fwd").parent == tmp_path
 
 
 def test_bench_varlen_plot_of_two_impls_and_an_error(tmp_path):
