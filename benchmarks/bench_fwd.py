@@ -125,6 +125,27 @@ def bench_ms(fn: Callable[[], object], warmup: int, rep: int) -> float:
     return statistics.median(times)
 
 
+def alternate(fns: dict, rounds: int, warmup: int, rep: int, clocks: list) -> tuple[dict, dict]:
+    """fns: {key: (fn, factory of the context to time fn in)} (make_impl's pairs). Returns ({key: fn's
+    milliseconds in each turn}, {key: error message}) over `rounds` turns, the order reversed every other
+    turn, so that clock and temperature drift land on all alike; the SM clock is sampled after each timing.
+    A key whose timing raises is timed no more (its earlier turns stay)."""
+    ms: dict = {key: [] for key in fns}
+    errors: dict = {}
+    for r in range(rounds):
+        for key in list(fns)[:: 1 if r % 2 == 0 else -1]:
+            if key in errors:
+                continue
+            fn, ctx = fns[key]
+            try:
+                with ctx():
+                    ms[key].append(bench_ms(fn, warmup, rep))
+            except Exception as e:  # one impl failing on one shape must not end the run
+                errors[key] = f"{type(e).__name__}: {e}"[:500]
+            clocks.append(sm_clock_mhz())
+    return ms, errors
+
+
 def _import_flash_attn4() -> None:
     """Import flash_attn4 (registers torch.ops.flash_attn4.fwd): the installed package, else the source
     tree (`make build` compiles _C in place; running this file puts benchmarks/, not the repo root, on
@@ -316,18 +337,10 @@ def run(args: argparse.Namespace) -> list[dict]:
             except Exception as e:  # one impl failing on one shape must not end the sweep
                 rec["error"] = f"{type(e).__name__}: {e}"[:500]
             recs[impl] = rec
-        times = {impl: [] for impl in fns}
         clocks = []
-        for r in range(args.rounds):
-            for impl in list(fns) if r % 2 == 0 else list(fns)[::-1]:
-                fn, ctx = fns[impl]
-                try:
-                    with ctx():
-                        times[impl].append(bench_ms(fn, args.warmup, args.rep))
-                except Exception as e:
-                    recs[impl]["error"] = f"{type(e).__name__}: {e}"[:500]
-                    del fns[impl]
-                clocks.append(sm_clock_mhz())
+        times, failed = alternate(fns, args.rounds, args.warmup, args.rep, clocks)
+        for impl, err in failed.items():
+            recs[impl]["error"] = err
         clocks = [c for c in clocks if c is not None]
         for impl, rec in recs.items():
             ts = times.get(impl, [])

@@ -19,6 +19,7 @@ compare implementations within one file (the SM clock seen is recorded).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
@@ -27,8 +28,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_fwd import _import_flash_attn4, available_impls, bench_ms
-from results_file import default_path, sm_clock_mhz, write_results
+from bench_fwd import _import_flash_attn4, alternate, available_impls
+from results_file import default_path, write_results
 
 try:
     from tqdm import tqdm
@@ -48,23 +49,6 @@ def _grad_fn(fn, q, k, v):
     out = out[0] if isinstance(out, tuple) else out  # flash_attn.cute returns (out, lse)
     dout = torch.randn_like(out)
     return lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
-
-
-def _alternate(fns: dict, rounds: int, warmup: int, rep: int, clocks: list) -> dict:
-    """Milliseconds of each callable in each of `rounds` turns, the order reversed every other turn, so that
-    clock and temperature drift land on all alike. A callable that raises is timed no more; its entry is the
-    error message instead of the list."""
-    ms: dict = {key: [] for key in fns}
-    for r in range(rounds):
-        for key in list(fns)[:: 1 if r % 2 == 0 else -1]:
-            if isinstance(ms[key], str):
-                continue
-            try:
-                ms[key].append(bench_ms(fns[key], warmup, rep))
-            except Exception as e:  # one impl failing on one case must not end the run
-                ms[key] = f"{type(e).__name__}: {e}"[:300]
-            clocks.append(sm_clock_mhz())
-    return ms
 
 
 def _median(x):
@@ -125,10 +109,12 @@ def window_rows(args, clocks: list) -> list[dict]:
                     continue
                 call = lambda a, b, c, w=w, dense=dense: dense(a, b, c, True, w)  # noqa: E731
                 try:
-                    fns[(impl, case)] = _grad_fn(call, q, k, v) if bwd else (lambda call=call: call(q, k, v))
+                    fn = _grad_fn(call, q, k, v) if bwd else (lambda call=call: call(q, k, v))
+                    fns[(impl, case)] = fn, contextlib.nullcontext
                 except Exception as e:  # recorded in the row; the other impls go on
                     errors[(impl, case)] = f"{type(e).__name__}: {e}"[:300]
-        ms = _alternate(fns, args.rounds, args.warmup, args.window_rep, clocks) | errors
+        ms, failed = alternate(fns, args.rounds, args.warmup, args.window_rep, clocks)
+        ms |= failed | errors
         for impl in args.impls:
             full, win, probe = (_median(ms.get((impl, case))) for case in ("full", "window", "probe"))
             row = {
@@ -202,12 +188,12 @@ def varlen_rows(args, clocks: list) -> list[dict]:
             }
             for case, (call, qkv) in calls.items():
                 try:
-                    fns[(impl, case)] = (
-                        _grad_fn(call, *qkv) if bwd else (lambda call=call, qkv=qkv: call(*qkv))
-                    )
+                    fn = _grad_fn(call, *qkv) if bwd else (lambda call=call, qkv=qkv: call(*qkv))
+                    fns[(impl, case)] = fn, contextlib.nullcontext
                 except Exception as e:  # recorded in the row; the other impls go on
                     errors[(impl, case)] = f"{type(e).__name__}: {e}"[:300]
-        ms = _alternate(fns, args.rounds, args.warmup, args.rep, clocks) | errors
+        ms, failed = alternate(fns, args.rounds, args.warmup, args.rep, clocks)
+        ms |= failed | errors
         for impl in args.impls:
             t_var, t_eq = _median(ms[(impl, "varlen")]), _median(ms[(impl, "equal")])
             row = {

@@ -1,6 +1,7 @@
 """The benchmarks' result files (README, Benchmarks): every record stamped with the GPU, torch, date and the
 SM clock seen; the record's own fields kept; bench_varlen's plot drawn from rows of several implementations
-with a failed one among them. CPU only: nothing here times a kernel."""
+with a failed one among them; the alternating rounds both bench_fwd.py and bench_varlen.py time with. CPU
+only: nothing here times a kernel."""
 
 import json
 import sys
@@ -72,3 +73,31 @@ def test_bench_fwd_gqa_must_divide_the_heads(capsys):
     with pytest.raises(SystemExit):
         bench_fwd.parse_args(["--gqa", "16", "--hdims", "128,256"])  # 8 heads at 256
     assert "at head dims [256]" in capsys.readouterr().err
+
+
+def test_alternate_reverses_the_order_and_drops_a_failing_impl(monkeypatch):
+    import contextlib
+
+    import bench_fwd
+
+    calls = []
+
+    def fake_bench_ms(fn, warmup, rep):
+        return fn()
+
+    def timed(name, fail_at=None):
+        def fn():
+            calls.append(name)
+            if len(calls) == fail_at:
+                raise RuntimeError("boom")
+            return float(len(calls))
+
+        return fn, contextlib.nullcontext
+
+    monkeypatch.setattr(bench_fwd, "bench_ms", fake_bench_ms)
+    monkeypatch.setattr(bench_fwd, "sm_clock_mhz", lambda: 1980)
+    clocks = []
+    ms, errors = bench_fwd.alternate({"a": timed("a"), "b": timed("b", fail_at=6)}, 3, 1, 1, clocks)
+    assert calls == ["a", "b", "b", "a", "a", "b"]  # the order reversed every other round
+    assert ms == {"a": [1.0, 4.0, 5.0], "b": [2.0, 3.0]}  # b's earlier turns stay
+    assert errors == {"b": "RuntimeError: boom"} and clocks == [1980] * 6
